@@ -1,0 +1,165 @@
+"""A frozen timm Vision Transformer that accepts a `PromptSpec` — the project's one prompt-injection path.
+
+Prefix prompts are concatenated to each block's keys and values *after* the qkv projection (the CODA-P /
+DualPrompt / HGP convention) and attention is computed with `F.scaled_dot_product_attention`. Without
+prompts every block is timm's own module call, so the output equals timm's `forward_features` exactly.
+One instance is shared by every simulated client; it is always in eval mode and has no trainable parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from promptfcl.backbones.prompt_spec import PromptSpec
+from promptfcl.config import BackboneConfig
+
+
+class BackboneError(RuntimeError):
+    """The backbone cannot be built or its weights cannot be found; the message says what to provide."""
+
+
+def _expand(t: torch.Tensor, b: int) -> torch.Tensor:
+    return t if t.shape[0] == b else t.expand(b, *t.shape[1:])
+
+
+def prefixed_attention(attn: nn.Module, x: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """timm `Attention.forward` with prefix keys/values (B|1, L, d) prepended to K and V."""
+    b, n, c = x.shape
+    h, hd = attn.num_heads, attn.head_dim
+    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+    q, k, v = attn.qkv(x).reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    pk = _expand(pk, b).reshape(b, -1, h, hd).transpose(1, 2).to(k.dtype)
+    pv = _expand(pv, b).reshape(b, -1, h, hd).transpose(1, 2).to(v.dtype)
+    k = torch.cat([pk, k], dim=2)
+    v = torch.cat([pv, v], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v)
+    out = out.transpose(1, 2).reshape(b, n, -1)
+    out = attn.norm(out)
+    if gate is not None:
+        out = out * gate
+    return attn.proj_drop(attn.proj(out))
+
+
+def prefixed_block(blk: nn.Module, x: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
+    """timm `Block.forward` with a prefix in its attention."""
+    x = x + blk.drop_path1(blk.ls1(prefixed_attention(blk.attn, blk.norm1(x), pk, pv)))
+    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+
+
+class FrozenViT(nn.Module):
+    """Frozen timm ViT with prompt hooks. `forward(x, spec)` → final-norm CLS feature (B, d)."""
+
+    def __init__(self, vit: nn.Module) -> None:
+        super().__init__()
+        from timm.models.vision_transformer import Block, VisionTransformer
+
+        if not isinstance(vit, VisionTransformer):
+            raise BackboneError(f"{type(vit).__name__} is not a timm VisionTransformer")
+        if any(type(b) is not Block for b in vit.blocks):
+            raise BackboneError("only timm ViTs built from the standard `Block` support prompt injection")
+        self.vit = vit.eval()
+        for p in self.vit.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.vit.embed_dim)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.vit.blocks)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.vit.num_prefix_tokens)
+
+    def train(self, mode: bool = True) -> FrozenViT:  # the backbone never leaves eval mode
+        return super().train(False)
+
+    def tokens(self, x: torch.Tensor, spec: PromptSpec | None = None) -> torch.Tensor:
+        """All output tokens after the final norm, (B, N, d); prompt tokens keep their positions."""
+        vit = self.vit
+        h = vit.norm_pre(self._embed(x, spec))
+        prefix = spec.prefix if spec is not None else {}
+        bad = [i for i in prefix if not 0 <= i < len(vit.blocks)]
+        if bad:
+            raise ValueError(f"prefix layers {bad} outside 0..{len(vit.blocks) - 1}")
+        for i, blk in enumerate(vit.blocks):
+            h = prefixed_block(blk, h, *prefix[i]) if i in prefix else blk(h)
+        return vit.norm(h)
+
+    def _embed(self, x: torch.Tensor, spec: PromptSpec | None) -> torch.Tensor:
+        vit = self.vit
+        h = vit.patch_drop(vit._pos_embed(vit.patch_embed(x)))
+        if spec is None or spec.tokens is None:
+            return h
+        t = _expand(spec.tokens, h.shape[0]).to(h.dtype)
+        if spec.token_pos_embed is not None:
+            t = t + spec.token_pos_embed
+        if spec.token_position == "prepend":
+            npre = self.num_prefix_tokens
+            return torch.cat([h[:, :npre], t, h[:, npre:]], dim=1)
+        return torch.cat([h, t], dim=1)
+
+    def forward(self, x: torch.Tensor, spec: PromptSpec | None = None) -> torch.Tensor:
+        return self.vit.forward_head(self.tokens(x, spec), pre_logits=True)
+
+    @torch.no_grad()
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """q(x): the unprompted feature, the query of pool-based prompt methods."""
+        return self.forward(x, None)
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise BackboneError(f"backbone weights file {path} not found; set backbone.weights to an existing "
+                            ".safetensors or torch checkpoint")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        obj: Any = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling refusal becomes a clear message
+        raise BackboneError(f"{path} is not a weights-only torch checkpoint ({e}); convert it to safetensors") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
+            obj = obj[key]
+    if not isinstance(obj, dict):
+        raise BackboneError(f"{path} holds a {type(obj).__name__}, not a state dict")
+    return obj
+
+
+def build_vit(cfg: BackboneConfig) -> FrozenViT:
+    """Create the timm model and load weights from the hub (`pretrained`) or a local file (`weights`)."""
+    import timm
+
+    kwargs = dict(cfg.kwargs)
+    kwargs.setdefault("img_size", cfg.img_size)
+    try:
+        model = timm.create_model(cfg.name, pretrained=cfg.pretrained and not cfg.weights, num_classes=0, **kwargs)
+    except RuntimeError as e:
+        if "Unknown model" in str(e):
+            raise BackboneError(f"timm has no model {cfg.name!r}; `promptfcl list` shows ViT names") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - hub download failures come in many exception types
+        raise BackboneError(
+            f"could not download pretrained weights for {cfg.name!r} ({type(e).__name__}: {e}). Offline, put "
+            "the weights in a local .safetensors file and set backbone.weights: PATH and backbone.pretrained: false"
+        ) from None
+    if cfg.weights:
+        state = {k: v for k, v in _read_state_dict(Path(cfg.weights)).items() if not k.startswith("head.")}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("head.")]
+        if missing or unexpected:
+            raise BackboneError(
+                f"{cfg.weights} does not fit {cfg.name} (img_size {cfg.img_size}): missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+    return FrozenViT(model)

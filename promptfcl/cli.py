@@ -1,0 +1,90 @@
+"""Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl list`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from promptfcl.config import ConfigError, load_config
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from promptfcl.checkpoint import CheckpointError
+    from promptfcl.experiment import Experiment
+
+    if args.resume:
+        exp = Experiment.from_run_dir(Path(args.resume), show_progress=not args.quiet, console=console)
+        metrics = exp.run(resume=True)
+    else:
+        if args.config is None:
+            raise ConfigError("give a config file (promptfcl run configs/quickstart.yaml) or --resume RUN_DIR")
+        cfg = load_config(args.config, args.set)
+        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.output_dir) / (
+            f"{cfg.run_name()}_{time.strftime('%Y%m%d-%H%M%S')}")
+        if (run_dir / "checkpoint.safetensors").exists():
+            raise ConfigError(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
+        exp = Experiment(cfg, run_dir, show_progress=not args.quiet, console=console)
+        try:
+            metrics = exp.run()
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
+    exp.print_summary(metrics)
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    import timm
+
+    from promptfcl.data import DATASETS
+    from promptfcl.methods import METHODS
+
+    console.print("[bold]methods[/bold]")
+    for name, spec in METHODS.items():
+        console.print(f"  {name:<16} {spec.summary}" + (f"  [dim]({spec.paper})[/dim]" if spec.paper else ""))
+    console.print("[bold]datasets[/bold]")
+    for name, spec in DATASETS.items():
+        where = "generated, no files" if not spec.needs_root else f"folder {spec.folder}/"
+        console.print(f"  {name:<16} {where}")
+    console.print("[bold]backbones[/bold] (any timm ViT; e.g.)")
+    for name in timm.list_models("vit_*patch16_224*")[:12]:
+        console.print(f"  {name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="promptfcl", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one experiment from a YAML config")
+    run.add_argument("config", nargs="?", help="YAML config file")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set scenario.num_tasks=5 (repeatable)")
+    run.add_argument("--run-dir", help="write results here (default: OUTPUT_DIR/NAME_TIMESTAMP)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.set_defaults(func=_run)
+    ls = sub.add_parser("list", help="list methods, datasets and backbones")
+    ls.set_defaults(func=_list)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        err_console.print("interrupted; the last completed round is checkpointed — continue with --resume RUN_DIR")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Experiment configuration: pydantic models, YAML loading, `--set key=value` overrides, readable errors.
+
+Everything a run needs is validated here, before any data is decoded or any model is built. Errors are
+collected into a `ConfigError` whose message names each offending key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message lists every problem found."""
+
+
+class StrictModel(BaseModel):
+    """Base for config sections: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(StrictModel):
+    """Which dataset, where it lives, and how to subsample it (for CPU-scale runs)."""
+
+    name: str = "synthetic"
+    root: str | None = Field(None, description="dataset folder; defaults to $PROMPTFCL_DATA/<name>")
+    download: bool = Field(False, description="allow torchvision to download (needs internet)")
+    train_per_class: int | None = Field(None, gt=0, description="keep this many train images per class")
+    test_per_class: int | None = Field(None, gt=0, description="keep this many test images per class")
+    options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific options")
+
+    @field_validator("root")
+    @classmethod
+    def _expand_root(cls, v: str | None) -> str | None:
+        return os.path.expandvars(v) if v else v
+
+
+class PartitionConfig(StrictModel):
+    """How each task's training samples are split over clients."""
+
+    kind: Literal["dirichlet", "iid"] = "dirichlet"
+    beta: float = Field(0.5, gt=0, description="Dirichlet concentration; smaller = more label skew")
+    min_samples: int = Field(6, ge=0, description="redraw a task's split until every client has this many")
+    max_retries: int = Field(10000, gt=0)
+
+
+class ParticipationConfig(StrictModel):
+    """Which clients take part: a fraction, drawn once per task (fed-mammoth) or every round."""
+
+    fraction: float = Field(1.0, gt=0, le=1)
+    mode: Literal["per_task", "per_round"] = "per_task"
+
+
+class ScenarioConfig(StrictModel):
+    """A class-incremental federated scenario: tasks, class order, clients, partition, schedule."""
+
+    kind: Literal["class_incremental"] = "class_incremental"
+    num_tasks: int = Field(10, gt=0)
+    classes_per_task: int | list[int] | None = Field(
+        None, description="classes in each task; default: all classes split evenly over num_tasks"
+    )
+    class_order: Literal["natural", "shuffled"] | list[int] = "natural"
+    num_clients: int = Field(10, gt=0)
+    rounds_per_task: int = Field(5, gt=0)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+
+    @field_validator("classes_per_task")
+    @classmethod
+    def _positive_counts(cls, v: int | list[int] | None) -> int | list[int] | None:
+        counts = [v] if isinstance(v, int) else (v or [])
+        if any(c <= 0 for c in counts):
+            raise ValueError("every task needs at least one class")
+        return v
+
+
+class BackboneConfig(StrictModel):
+    """The frozen ViT: a timm model name, where its weights come from, and its input convention."""
+
+    name: str = "vit_tiny_patch16_224"
+    img_size: int = Field(224, gt=0)
+    pretrained: bool = Field(False, description="download weights from the hub (needs internet)")
+    weights: str | None = Field(None, description="local .safetensors or weights_only torch checkpoint")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    interpolation: Literal["bicubic", "bilinear"] = "bicubic"
+
+    @field_validator("weights")
+    @classmethod
+    def _expand_weights(cls, v: str | None) -> str | None:
+        return os.path.expandvars(v) if v else v
+
+
+class EngineConfig(StrictModel):
+    """Where and how clients run."""
+
+    kind: Literal["inprocess"] = "inprocess"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice")
+
+
+class EvalConfig(StrictModel):
+    """When and how the global model is evaluated."""
+
+    every_round: bool = Field(False, description="also evaluate after every round (slower)")
+    batch_size: int = Field(256, gt=0)
+
+
+class MethodConfig(BaseModel):
+    """`name` picks a registered method; every other key is validated by that method's Params model."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg_prompt"
+
+    def params_dict(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ExperimentConfig(StrictModel):
+    """One run: data × scenario × backbone × method × engine, with a seed."""
+
+    name: str | None = None
+    seed: int = 0
+    output_dir: str = "results"
+    data: DataConfig = Field(default_factory=DataConfig)
+    scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
+    backbone: BackboneConfig = Field(default_factory=BackboneConfig)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    def run_name(self) -> str:
+        return self.name or f"{self.method.name}_{self.data.name}_seed{self.seed}"
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` → (["a", "b", "c"], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.path=value (e.g. scenario.num_tasks=5)")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections (data, scenario, method, …)")
+    return raw
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (sub)model a location points into."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return []
+    return list(model.model_fields)
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One readable line per pydantic error: the dotted key, what is wrong, and how to fix it."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"] if not isinstance(x, int) or True)
+        path = prefix + ".".join(str(x) for x in loc)
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            lines.append(f"{path}: unknown key; {hint}allowed keys here: {', '.join(allowed)}")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: required; add it to the config")
+        else:
+            got = e.get("input")
+            got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
+            lines.append(f"{path}: {e['msg']}{got_text}")
+    return lines
+
+
+def build_config(raw: dict[str, Any]) -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        lines = format_validation_error(err, ExperimentConfig)
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read YAML (or start from defaults), apply `key=value` overrides, validate the schema."""
+    raw = read_yaml(path) if path is not None else {}
+    raw = apply_overrides(raw, overrides or [])
+    return build_config(raw)
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,24 @@
+"""Datasets (registry, decoders) and batched transforms."""
+
+from promptfcl.data import cifar, image_folder, synthetic  # noqa: F401  (register datasets)
+from promptfcl.data.base import (
+    DATASETS,
+    DataMissingError,
+    DatasetSpec,
+    ImageDataset,
+    ImageSplit,
+    resolve_root,
+    subsample_per_class,
+)
+from promptfcl.data.transforms import ImageTransform
+
+__all__ = [
+    "DATASETS",
+    "DataMissingError",
+    "DatasetSpec",
+    "ImageDataset",
+    "ImageSplit",
+    "ImageTransform",
+    "resolve_root",
+    "subsample_per_class",
+]

@@ -1,0 +1,22 @@
+"""Evaluation regimes and continual-learning metrics."""
+
+from promptfcl.evaluation.evaluator import Evaluator, TaskResult
+from promptfcl.evaluation.metrics import (
+    accuracy_curve,
+    average_forgetting,
+    backward_transfer,
+    final_average_accuracy,
+    sample_weighted_accuracy,
+    summarize,
+)
+
+__all__ = [
+    "Evaluator",
+    "TaskResult",
+    "accuracy_curve",
+    "average_forgetting",
+    "backward_transfer",
+    "final_average_accuracy",
+    "sample_weighted_accuracy",
+    "summarize",
+]

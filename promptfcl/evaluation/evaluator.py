@@ -1,0 +1,56 @@
+"""Evaluates a global model on the test images of every seen task under the scenario's evaluation mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from promptfcl.data.base import ImageSplit
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.scenario.label_space import masked_logits
+from promptfcl.scenario.scenario import Scenario
+
+
+@dataclass
+class TaskResult:
+    """Accuracy on one task's test images."""
+
+    task: int
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return 100.0 * self.correct / self.total if self.total else float("nan")
+
+
+class Evaluator:
+    """Class-incremental, task-agnostic evaluation (`regime="task_agnostic"`) or task-aware masking."""
+
+    def __init__(self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int,
+                 device: torch.device, regime: str = "task_agnostic") -> None:
+        self.scenario = scenario
+        self.transform = transform
+        self.batch_size = batch_size
+        self.device = device
+        self.regime = regime
+        space = scenario.label_space
+        self.subsets = [LabeledSubset.of(test, idx, space.class_to_logit) for idx in scenario.test_indices]
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, after_task: int) -> list[TaskResult]:
+        """Accuracy on tasks 0..after_task."""
+        model.eval()
+        space = self.scenario.label_space
+        results = []
+        for task in range(after_task + 1):
+            mask = space.eval_mask(task, after_task, self.regime).to(self.device)
+            correct = 0
+            for x, y in self.subsets[task].batches(self.batch_size, self.transform, device=self.device):
+                pred = masked_logits(model(x), mask).argmax(dim=1)
+                correct += int((pred == y).sum())
+            results.append(TaskResult(task, correct, len(self.subsets[task])))
+        return results

@@ -1,0 +1,153 @@
+"""The engine-neutral protocol every method is written against.
+
+A method is a `ServerProgram` and a `ClientProgram` exchanging `Message`s through a `Grid`. The server loop
+(`promptfcl.experiment`) drives tasks × rounds and calls the server program; the engine (in-process, or
+Flower) delivers messages to client programs with the client's persistent `Record` state and its data.
+Nothing else crosses the boundary, so the same method file runs on every engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from promptfcl.backbones.vit import FrozenViT
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.federation.message import Message, Record
+from promptfcl.scenario.label_space import LabelSpace
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """Where the run is: task index, round within the task, and the clients chosen for this round."""
+
+    task: int
+    round: int
+    participants: tuple[int, ...]
+
+
+@dataclass
+class ClientFailure:
+    """A client that did not deliver a usable reply this round, and why."""
+
+    client: int
+    reason: str
+
+
+class Grid(ABC):
+    """What a server program uses to reach clients (the in-process engine and the Flower adapter implement it)."""
+
+    round: RoundInfo
+    failures: list[ClientFailure]
+
+    @abstractmethod
+    def send(self, messages: Mapping[int, Message]) -> dict[int, Message]:
+        """Deliver one message per client id; return the replies of the clients that answered."""
+
+    def broadcast(self, clients: Iterable[int], message: Message) -> dict[int, Message]:
+        """Send the same message to several clients."""
+        return self.send({c: message for c in clients})
+
+
+@dataclass
+class ClientContext:
+    """Everything a client program may use while handling one message."""
+
+    client_id: int
+    task: int
+    round: int
+    state: Record  # persistent for this client across rounds and tasks; nobody else sees it
+    train_data: LabeledSubset  # this client's training data for `task`
+    seed: int  # derived from (run seed, task, round, client, message kind)
+    device: torch.device
+
+
+@dataclass
+class MethodEnv:
+    """Shared, read-only resources handed to both programs of a method."""
+
+    backbone: FrozenViT
+    label_space: LabelSpace
+    eval_transform: ImageTransform
+    device: torch.device
+    seed: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def train_transform(self, augment: str) -> ImageTransform:
+        from dataclasses import replace
+
+        return replace(self.eval_transform, augment=augment)  # type: ignore[arg-type]
+
+
+ModelFactory = Callable[[MethodEnv, Any], nn.Module]
+
+
+class _Program:
+    def __init__(self, env: MethodEnv, params: BaseModel, build_model: ModelFactory | None = None) -> None:
+        self.env = env
+        self.params = params
+        self._build_model = build_model
+
+    def new_model(self) -> nn.Module:
+        """A fresh model from the method's factory, on the run's device."""
+        if self._build_model is None:
+            raise NotImplementedError(f"{type(self).__name__} has no model factory")
+        return self._build_model(self.env, self.params).to(self.env.device)
+
+
+class ServerProgram(_Program, ABC):
+    """The server side of a method: aggregation and any server-side training, one round at a time."""
+
+    def begin_task(self, task: int) -> None:
+        """Called before the first round of each task."""
+
+    @abstractmethod
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Exchange messages with `info.participants` and update the global model; returns round metrics."""
+
+    def end_task(self, task: int) -> None:
+        """Called after the last round of each task (before evaluation)."""
+
+    @abstractmethod
+    def global_model(self) -> nn.Module:
+        """The model the evaluator tests: images → logits over the whole label space."""
+
+    @abstractmethod
+    def state(self) -> Record:
+        """Everything needed to resume (checkpointed after every round)."""
+
+    @abstractmethod
+    def load_state(self, state: Record) -> None:
+        """Restore what `state()` returned."""
+
+
+class ClientProgram(_Program, ABC):
+    """The client side of a method. Holds no per-client data: that lives in `ctx.state`."""
+
+    @abstractmethod
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        """Answer one server message."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its hyper-parameter model (paper defaults) and its two programs."""
+
+    name: str
+    params: type[BaseModel]
+    server: type[ServerProgram]
+    client: type[ClientProgram]
+    build_model: ModelFactory | None
+    summary: str
+    paper: str = ""
+    kind: ClassVar[str] = "method"
+
+    def programs(self, env: MethodEnv, params: BaseModel) -> tuple[ServerProgram, ClientProgram]:
+        return self.server(env, params, self.build_model), self.client(env, params, self.build_model)

@@ -1,0 +1,81 @@
+"""Label spaces and evaluation masks: which real class maps to which logit, and which logits compete.
+
+A `LabelSpace` owns the mapping real class id → logit index and the logit slots of each task. Masks are
+computed from it, so the same model code serves class-incremental (all seen logits compete), task-aware
+(only the task's own logits) and per-(client, task) slot regimes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+TrainLogits = Literal["current_task", "seen"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: its real classes and the logit slots they map to (same order)."""
+
+    index: int
+    classes: tuple[int, ...]
+    logits: tuple[int, ...]
+
+
+class LabelSpace:
+    """Real class → logit mapping and per-task logit slots for a sequence of tasks."""
+
+    def __init__(self, tasks: list[list[int]], num_real_classes: int) -> None:
+        self.tasks: list[Task] = []
+        self.class_to_logit = torch.full((num_real_classes,), -1, dtype=torch.long)
+        offset = 0
+        for t, classes in enumerate(tasks):
+            logits = tuple(range(offset, offset + len(classes)))
+            for c, j in zip(classes, logits, strict=True):
+                if self.class_to_logit[c] >= 0:
+                    raise ValueError(f"class {c} appears in two tasks")
+                self.class_to_logit[c] = j
+            self.tasks.append(Task(t, tuple(classes), logits))
+            offset += len(classes)
+        self.num_logits = offset
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def to_logits(self, real_targets: torch.Tensor) -> torch.Tensor:
+        out = self.class_to_logit[real_targets]
+        if (out < 0).any():
+            raise ValueError("a target belongs to no task of this label space")
+        return out
+
+    def seen_logits(self, task: int) -> int:
+        """Number of logits of tasks 0..task (class-incremental slots are contiguous)."""
+        t = self.tasks[task]
+        return t.logits[-1] + 1
+
+    def mask(self, logits: list[int] | tuple[int, ...] | range) -> torch.Tensor:
+        m = torch.zeros(self.num_logits, dtype=torch.bool)
+        m[list(logits)] = True
+        return m
+
+    def train_mask(self, task: int, which: TrainLogits) -> torch.Tensor:
+        """Logits that compete in local training on `task`."""
+        if which == "current_task":
+            return self.mask(self.tasks[task].logits)
+        return self.mask(range(self.seen_logits(task)))
+
+    def eval_mask(self, evaluated_task: int, after_task: int, regime: str = "task_agnostic") -> torch.Tensor:
+        """Logits that compete when testing `evaluated_task` after training `after_task`."""
+        if regime == "task_agnostic":
+            return self.mask(range(self.seen_logits(after_task)))
+        if regime == "task_aware":
+            return self.mask(self.tasks[evaluated_task].logits)
+        raise ValueError(f"unknown evaluation regime {regime!r}")
+
+
+def masked_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits with masked-out entries set to -inf (mask broadcast over the batch)."""
+    return logits.masked_fill(~mask.to(logits.device), float("-inf"))

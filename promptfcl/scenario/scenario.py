@@ -1,0 +1,166 @@
+"""Scenarios as saved data: class order, tasks, per-client per-task indices, participation, seed.
+
+A scenario is built deterministically from (dataset labels, scenario config, seed), written to
+`scenario.json` with every run, and can be reloaded from that file. Everything downstream (clients,
+evaluator, engines) reads indices from it; nothing re-draws a partition.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from promptfcl.config import ScenarioConfig
+from promptfcl.scenario.label_space import LabelSpace
+from promptfcl.scenario.partition import PartitionError, dirichlet_partition, iid_partition
+from promptfcl.seeding import numpy_rng
+
+
+@dataclass
+class Scenario:
+    """Tasks × clients × rounds, as indices into a dataset's train and test splits."""
+
+    seed: int
+    num_classes: int
+    class_order: list[int]
+    task_classes: list[list[int]]
+    client_train: list[list[np.ndarray]]  # [task][client] → train indices
+    test_indices: list[np.ndarray]  # [task] → test indices
+    participants: list[list[list[int]]]  # [task][round] → client ids
+    num_clients: int
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.task_classes)
+
+    @property
+    def rounds_per_task(self) -> int:
+        return len(self.participants[0])
+
+    @cached_property
+    def label_space(self) -> LabelSpace:
+        return LabelSpace(self.task_classes, self.num_classes)
+
+    def client_indices(self, task: int, client: int) -> np.ndarray:
+        return self.client_train[task][client]
+
+    def client_class_counts(self, train_targets: np.ndarray) -> np.ndarray:
+        """(clients, classes in class order) training-sample counts over all tasks."""
+        pos = {c: i for i, c in enumerate(self.class_order)}
+        counts = np.zeros((self.num_clients, len(self.class_order)), dtype=np.int64)
+        for task in self.client_train:
+            for k, idx in enumerate(task):
+                for c, n in zip(*np.unique(train_targets[idx], return_counts=True), strict=True):
+                    counts[k, pos[int(c)]] += n
+        return counts
+
+    def to_json(self, train_targets: np.ndarray | None = None) -> dict:
+        out = {
+            "seed": self.seed,
+            "num_classes": self.num_classes,
+            "num_clients": self.num_clients,
+            "class_order": self.class_order,
+            "task_classes": self.task_classes,
+            "participants": self.participants,
+            "client_train": [[idx.tolist() for idx in task] for task in self.client_train],
+            "test_indices": [idx.tolist() for idx in self.test_indices],
+            "client_task_counts": [[len(idx) for idx in task] for task in self.client_train],
+        }
+        if train_targets is not None:
+            out["client_class_counts"] = self.client_class_counts(train_targets).tolist()
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> Scenario:
+        return cls(
+            seed=d["seed"],
+            num_classes=d["num_classes"],
+            class_order=list(d["class_order"]),
+            task_classes=[list(t) for t in d["task_classes"]],
+            client_train=[[np.asarray(i, dtype=np.int64) for i in task] for task in d["client_train"]],
+            test_indices=[np.asarray(i, dtype=np.int64) for i in d["test_indices"]],
+            participants=d["participants"],
+            num_clients=d["num_clients"],
+        )
+
+    def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:
+        path.write_text(json.dumps(self.to_json(train_targets)))
+
+    @classmethod
+    def load(cls, path: Path) -> Scenario:
+        return cls.from_json(json.loads(path.read_text()))
+
+
+def task_class_counts(cfg: ScenarioConfig, num_classes: int) -> list[int]:
+    """Classes in each task, checked against the dataset's class count."""
+    cpt = cfg.classes_per_task
+    if cpt is None:
+        if num_classes % cfg.num_tasks:
+            raise PartitionError(f"{num_classes} classes do not split evenly into {cfg.num_tasks} tasks; "
+                                 "set scenario.classes_per_task")
+        counts = [num_classes // cfg.num_tasks] * cfg.num_tasks
+    elif isinstance(cpt, int):
+        counts = [cpt] * cfg.num_tasks
+    else:
+        counts = list(cpt)
+        if len(counts) != cfg.num_tasks:
+            raise PartitionError(f"scenario.classes_per_task lists {len(counts)} tasks but num_tasks is "
+                                 f"{cfg.num_tasks}")
+    if sum(counts) > num_classes:
+        raise PartitionError(f"tasks need {sum(counts)} classes but the dataset has {num_classes}; lower "
+                             "scenario.num_tasks or scenario.classes_per_task")
+    return counts
+
+
+def class_order(cfg: ScenarioConfig, num_classes: int, seed: int) -> list[int]:
+    if isinstance(cfg.class_order, list):
+        order = list(cfg.class_order)
+        if sorted(order) != sorted(set(order)) or any(not 0 <= c < num_classes for c in order):
+            raise PartitionError(f"scenario.class_order must list distinct class ids in [0, {num_classes})")
+        return order
+    if cfg.class_order == "shuffled":
+        return numpy_rng(seed, "class_order").permutation(num_classes).tolist()
+    return list(range(num_classes))
+
+
+def draw_participants(cfg: ScenarioConfig, seed: int) -> list[list[list[int]]]:
+    m = cfg.num_clients
+    k = max(1, math.ceil(cfg.participation.fraction * m))
+    out = []
+    for t in range(cfg.num_tasks):
+        if cfg.participation.mode == "per_task":
+            chosen = sorted(numpy_rng(seed, "participants", t).choice(m, size=k, replace=False).tolist())
+            out.append([chosen] * cfg.rounds_per_task)
+        else:
+            out.append([sorted(numpy_rng(seed, "participants", t, r).choice(m, size=k, replace=False).tolist())
+                        for r in range(cfg.rounds_per_task)])
+    return out
+
+
+def build_class_incremental(cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray,
+                            num_classes: int, seed: int) -> Scenario:
+    """Class-incremental scenario: disjoint class sets per task, each task's samples split over clients."""
+    counts = task_class_counts(cfg, num_classes)
+    order = class_order(cfg, num_classes, seed)
+    tasks, offset = [], 0
+    for n in counts:
+        tasks.append(order[offset:offset + n])
+        offset += n
+    client_train, test_idx = [], []
+    for t, classes in enumerate(tasks):
+        pos = np.flatnonzero(np.isin(train_targets, classes))
+        rng = numpy_rng(seed, "partition", t)
+        if cfg.partition.kind == "dirichlet":
+            parts = dirichlet_partition(train_targets[pos], cfg.num_clients, cfg.partition.beta, rng,
+                                        cfg.partition.min_samples, cfg.partition.max_retries)
+        else:
+            parts = iid_partition(train_targets[pos], cfg.num_clients, rng, cfg.partition.min_samples)
+        client_train.append([pos[p] for p in parts])
+        test_idx.append(np.flatnonzero(np.isin(test_targets, classes)))
+    return Scenario(seed, num_classes, order[:offset], tasks, client_train, test_idx, draw_participants(cfg, seed),
+                    cfg.num_clients)
