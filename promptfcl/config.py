@@ -91,6 +91,7 @@ class BackboneConfig(StrictModel):
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
+    init_seed: int = Field(0, description="seed of the random init (used as is when no weights are loaded)")
 
     @field_validator("weights")
     @classmethod

@@ -143,7 +143,10 @@ def build_vit(cfg: BackboneConfig) -> FrozenViT:
     kwargs = dict(cfg.kwargs)
     kwargs.setdefault("img_size", cfg.img_size)
     try:
-        model = timm.create_model(cfg.name, pretrained=cfg.pretrained and not cfg.weights, num_classes=0, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.init_seed)  # a random-init backbone is a pure function of the config
+            model = timm.create_model(cfg.name, pretrained=cfg.pretrained and not cfg.weights, num_classes=0,
+                                      **kwargs)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise BackboneError(f"timm has no model {cfg.name!r}; `promptfcl list` shows ViT names") from None

@@ -1,0 +1,51 @@
+"""Shared fixtures: a tiny synthetic experiment config that runs in seconds, and the shared-assets path."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from promptfcl.config import ExperimentConfig, build_config
+
+TINY: dict[str, Any] = {
+    "name": "tiny",
+    "seed": 0,
+    "data": {"name": "synthetic", "options": {"num_classes": 6, "train_per_class": 40, "test_per_class": 8}},
+    "scenario": {"num_tasks": 2, "num_clients": 3, "rounds_per_task": 2,
+                 "partition": {"kind": "dirichlet", "beta": 0.5, "min_samples": 2}},
+    "backbone": {"name": "vit_tiny_patch16_224", "img_size": 32,
+                 "kwargs": {"patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 3}},
+    "method": {"name": "fedavg_prompt", "layers": [0, 1], "local_epochs": 2, "batch_size": 8, "lr": 0.01},
+    "engine": {"device": "cpu"},
+}
+
+
+def deep_update(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in updates.items():
+        out[k] = deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def tiny_raw(**updates: Any) -> dict[str, Any]:
+    return deep_update(TINY, updates)
+
+
+def tiny_config(**updates: Any) -> ExperimentConfig:
+    return build_config(tiny_raw(**updates))
+
+
+@pytest.fixture
+def assets_dir() -> Path:
+    """The shared real assets (CIFAR-100, the distilled ViT-Tiny); tests using it skip when it is absent."""
+    env = os.environ.get("PROMPTFCL_ASSETS")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "assets")
+    for p in candidates:
+        if (p / "cifar-100-python" / "train").is_file():
+            return p
+    pytest.skip("shared assets not found: set PROMPTFCL_ASSETS to the folder holding cifar-100-python/ and models/")

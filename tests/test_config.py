@@ -1,0 +1,85 @@
+"""Bad configs fail before training with messages that name the key and the fix — never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from promptfcl.cli import main
+from promptfcl.config import ConfigError, build_config, load_config
+from promptfcl.experiment import Experiment, check_config
+
+from .conftest import tiny_config, tiny_raw
+
+
+def error_of(**updates) -> str:
+    with pytest.raises(ConfigError) as e:
+        check_config(build_config(tiny_raw(**updates)))
+    return str(e.value)
+
+
+def test_unknown_key_suggests_the_right_one() -> None:
+    msg = error_of(scenario={"num_task": 3})
+    assert "scenario.num_task: unknown key; did you mean 'num_tasks'?" in msg
+
+
+def test_bad_types_and_ranges() -> None:
+    assert "scenario.num_clients" in error_of(scenario={"num_clients": "many"})
+    assert "scenario.partition.beta" in error_of(scenario={"partition": {"beta": -1}})
+    assert "scenario.participation.fraction" in error_of(scenario={"participation": {"fraction": 1.5}})
+
+
+def test_unknown_method_dataset_and_method_params() -> None:
+    assert "Did you mean 'fedavg_prompt'" in error_of(method={"name": "fedavg_promt"})
+    assert "unknown dataset 'cifar1000'" in error_of(data={"name": "cifar1000"})
+    assert "method.lrr: unknown key; did you mean 'lr'?" in error_of(method={"lrr": 0.1})
+    assert "method.lr" in error_of(method={"lr": "fast"})
+
+
+def test_missing_data_names_the_folder_and_files(tmp_path) -> None:
+    raw = tiny_raw()
+    raw["data"] = {"name": "cifar100", "root": str(tmp_path / "nowhere")}
+    with pytest.raises(ConfigError) as e:
+        check_config(build_config(raw))
+    msg = str(e.value)
+    assert "expected the python release in" in msg and "train, test, meta" in msg and "data.root" in msg
+
+
+def test_impossible_scenarios() -> None:
+    assert "lower scenario.num_tasks" in error_of(scenario={"num_tasks": 4, "classes_per_task": 2})
+    msg = error_of(scenario={"num_tasks": 4})
+    assert "do not split evenly" in msg
+
+
+def test_impossible_partition_is_reported_before_training(tmp_path) -> None:
+    cfg = tiny_config(scenario={"num_clients": 3, "partition": {"min_samples": 40}})
+    with pytest.raises(ConfigError, match="min_samples"):
+        Experiment(cfg, tmp_path / "run", show_progress=False).run()
+    assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
+
+
+def test_backbone_errors() -> None:
+    assert "timm has no model" in error_of(backbone={"name": "vit_nonexistent"})
+    assert "backbone.weights" in error_of(backbone={"weights": "/no/such/file.safetensors"})
+
+
+def test_overrides_and_yaml(tmp_path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("scenario:\n  num_tasks: 3\nmethod:\n  name: fedvit\n")
+    cfg = load_config(p, ["scenario.num_tasks=5", "method.lr=0.01", "data.options.num_classes=10"])
+    assert cfg.scenario.num_tasks == 5 and cfg.method.params_dict()["lr"] == 0.01
+    assert cfg.data.options["num_classes"] == 10
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(p, ["nonsense"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_cli_prints_errors_without_traceback(tmp_path, capsys) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("scenario:\n  num_clientz: 3\n")
+    assert main(["run", str(p), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "num_clientz" in err and "Traceback" not in err
+    assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
