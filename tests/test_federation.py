@@ -19,7 +19,8 @@ from promptfcl.scenario import build_class_incremental
 
 def test_message_byte_count_is_tensor_bytes_plus_json() -> None:
     scalars = {"num_samples": 12, "loss": 0.5}
-    m = Message({"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.float64), "c": torch.zeros(5, dtype=torch.int8)},
+    m = Message({"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.float64),
+                 "c": torch.zeros(5, dtype=torch.int8)},
                 scalars, kind="train")
     expected = 10 * 4 * 4 + 3 * 8 + 5 + len(json.dumps(scalars, sort_keys=True)) + len("train")
     assert m.nbytes() == expected

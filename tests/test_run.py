@@ -94,4 +94,5 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path: Path) -> None:
     resumed = Experiment.from_run_dir(run_dir, show_progress=False).run(resume=True)
     assert comparable(resumed) == comparable(reference)
     lines = (run_dir / "rounds.jsonl").read_text().splitlines()
-    assert [(json.loads(x)["task"], json.loads(x)["round"]) for x in lines] == [(t, r) for t in range(3) for r in range(2)]
+    positions = [(json.loads(x)["task"], json.loads(x)["round"]) for x in lines]
+    assert positions == [(t, r) for t in range(3) for r in range(2)]
