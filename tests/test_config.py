@@ -51,7 +51,7 @@ def test_impossible_scenarios() -> None:
 
 
 def test_impossible_partition_is_reported_before_training(tmp_path) -> None:
-    cfg = tiny_config(scenario={"num_clients": 3, "partition": {"min_samples": 40}})
+    cfg = tiny_config(scenario={"num_clients": 3, "partition": {"min_samples": 60}})
     with pytest.raises(ConfigError, match="min_samples"):
         Experiment(cfg, tmp_path / "run", show_progress=False).run()
     assert not (tmp_path / "run" / "checkpoint.safetensors").exists()
