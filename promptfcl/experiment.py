@@ -176,7 +176,10 @@ class Experiment:
         self.device = resolve_device(cfg)
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
-        self.dataset = load_dataset(cfg)
+        try:
+            self.dataset = load_dataset(cfg)
+        except DataMissingError as e:
+            raise ConfigError(f"data: {e}") from None
         scenario_path = self.run_dir / "scenario.json"
         if resume and scenario_path.is_file():
             self.scenario = Scenario.load(scenario_path)

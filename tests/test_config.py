@@ -83,3 +83,21 @@ def test_cli_prints_errors_without_traceback(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "num_clientz" in err and "Traceback" not in err
     assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
+
+
+def test_corrupt_dataset_file_is_a_clear_error(tmp_path, capsys) -> None:
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test", "meta"):
+        (folder / name).write_bytes(b"not the release")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{name: cifar100, root: {folder}}}\n")
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "md5" in err and "Traceback" not in err
+
+
+def test_cli_list_shows_registries(capsys) -> None:
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg_prompt" in out and "cifar100" in out and "vit_base_patch16_224" in out
