@@ -17,7 +17,7 @@ def plot_accuracy_matrix(A: Sequence[Sequence[float]], path: Path, title: str = 
     M = np.full((T, T), np.nan)
     for t, row in enumerate(A):
         M[t, : len(row)] = row[: t + 1]
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * T, 0.8 + 0.5 * T))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.5 + 0.55 * T), max(3.8, 1.2 + 0.5 * T)))
     im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
     for t in range(T):
         for i in range(t + 1):
@@ -51,13 +51,13 @@ def plot_accuracy_curves(curves: Mapping[str, Sequence[float]], path: Path, titl
 
 def plot_client_class_counts(counts: np.ndarray, path: Path, task_sizes: Sequence[int] = ()) -> None:
     clients, classes = counts.shape
-    fig, ax = plt.subplots(figsize=(min(16, 2 + 0.12 * classes), 1.5 + 0.3 * clients))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2 + 0.12 * classes)), max(3.0, 1.5 + 0.3 * clients)))
     im = ax.imshow(counts, aspect="auto", cmap="magma_r", interpolation="nearest")
     pos = 0
     for n in list(task_sizes)[:-1]:
         pos += n
-        ax.axvline(pos - 0.5, color="tab:blue", lw=0.8)
-    ax.set_xlabel("class (in class order; blue lines = task boundaries)")
+        ax.axvline(pos - 0.5, color="tab:cyan", lw=1.5)
+    ax.set_xlabel("class position in class order (cyan lines: task boundaries)")
     ax.set_ylabel("client")
     ax.set_yticks(range(clients))
     ax.set_title("training samples per client and class")
