@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -47,29 +47,32 @@ from promptfcl.seeding import numpy_rng
 _BACKBONES: dict[str, FrozenViT] = {}
 
 
+def _lookup(registry: Any, name: str, key: str) -> Any:
+    try:
+        return registry.get(name)
+    except UnknownNameError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _validate_section(model: type[BaseModel], values: dict[str, Any], prefix: str, what: str) -> Any:
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        lines = format_validation_error(err, model, prefix=prefix)
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines)) from None
+
+
 def resolve_method(cfg: ExperimentConfig) -> tuple[MethodSpec, Any]:
     """The registered method and its validated hyper-parameters (paper defaults + config overrides)."""
-    try:
-        spec = METHODS.get(cfg.method.name)
-    except UnknownNameError as e:
-        raise ConfigError(f"method.name: {e}") from None
-    try:
-        return spec, spec.params.model_validate(cfg.method.params_dict())
-    except ValidationError as err:
-        lines = format_validation_error(err, spec.params, prefix="method.")
-        raise ConfigError(f"invalid hyper-parameters for method {spec.name!r}:\n  " + "\n  ".join(lines)) from None
+    spec = _lookup(METHODS, cfg.method.name, "method.name")
+    return spec, _validate_section(spec.params, cfg.method.params_dict(), "method.",
+                                   f"hyper-parameters for method {spec.name!r}")
 
 
 def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
-    try:
-        spec = DATASETS.get(cfg.data.name)
-    except UnknownNameError as e:
-        raise ConfigError(f"data.name: {e}") from None
-    try:
-        return spec, spec.options.model_validate(cfg.data.options)
-    except ValidationError as err:
-        lines = format_validation_error(err, spec.options, prefix="data.options.")
-        raise ConfigError("invalid dataset options:\n  " + "\n  ".join(lines)) from None
+    """The registered dataset and its validated options."""
+    spec = _lookup(DATASETS, cfg.data.name, "data.name")
+    return spec, _validate_section(spec.options, cfg.data.options, "data.options.", "dataset options")
 
 
 def check_config(cfg: ExperimentConfig) -> None:
