@@ -1,0 +1,184 @@
+"""What every side of a federation builds from a config: data, scenario, backbone, method programs.
+
+The in-process experiment builds one `Runtime` for the server loop and its simulated clients; the Flower
+ServerApp and each ClientApp build their own from the same config, so both engines run identical objects.
+Every check here runs before any training and turns problems into `ConfigError`s that say how to fix them.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ValidationError
+
+from promptfcl import __version__
+from promptfcl.backbones.vit import BackboneError, FrozenViT, build_vit
+from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
+from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
+from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
+from promptfcl.methods import METHODS
+from promptfcl.registry import UnknownNameError
+from promptfcl.scenario.partition import PartitionError
+from promptfcl.scenario.scenario import Scenario, build_class_incremental, task_class_counts
+from promptfcl.seeding import numpy_rng
+
+_BACKBONES: dict[str, FrozenViT] = {}
+
+
+def _lookup(registry: Any, name: str, key: str) -> Any:
+    try:
+        return registry.get(name)
+    except UnknownNameError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _validate_section(model: type[BaseModel], values: dict[str, Any], prefix: str, what: str) -> Any:
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        lines = format_validation_error(err, model, prefix=prefix)
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines)) from None
+
+
+def resolve_method(cfg: ExperimentConfig) -> tuple[MethodSpec, Any]:
+    """The registered method and its validated hyper-parameters (paper defaults + config overrides)."""
+    spec = _lookup(METHODS, cfg.method.name, "method.name")
+    return spec, _validate_section(spec.params, cfg.method.params_dict(), "method.",
+                                   f"hyper-parameters for method {spec.name!r}")
+
+
+def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
+    """The registered dataset and its validated options."""
+    spec = _lookup(DATASETS, cfg.data.name, "data.name")
+    return spec, _validate_section(spec.options, cfg.data.options, "data.options.", "dataset options")
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    """Cheap checks that need the registries and the file system; run before anything is decoded."""
+    problems = []
+    for check in (resolve_method, _check_data, _check_backbone):
+        try:
+            check(cfg)
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _check_data(cfg: ExperimentConfig) -> None:
+    spec, options = resolve_dataset_options(cfg)
+    if spec.needs_root and not cfg.data.download:
+        try:
+            spec.check(resolve_root(spec, cfg.data.root), options)
+        except DataMissingError as e:
+            raise ConfigError(f"data: {e}") from None
+    try:
+        n = spec.num_classes(options)
+    except ValueError as e:
+        raise ConfigError(f"data.options: {e}") from None
+    try:
+        task_class_counts(cfg.scenario, n)
+    except PartitionError as e:
+        raise ConfigError(f"scenario: {e}") from None
+
+
+def _check_backbone(cfg: ExperimentConfig) -> None:
+    import timm
+
+    b = cfg.backbone
+    if not timm.is_model(b.name):
+        raise ConfigError(f"backbone.name: timm has no model {b.name!r} (try vit_tiny_patch16_224, "
+                          "vit_base_patch16_224.augreg_in21k; `promptfcl list` shows more)")
+    if not b.name.startswith(("vit_", "deit_")):
+        raise ConfigError(f"backbone.name: {b.name!r} is not a plain ViT; prompt injection needs a timm "
+                          "VisionTransformer (vit_* or deit_*)")
+    if b.weights and not Path(b.weights).is_file():
+        raise ConfigError(f"backbone.weights: file {b.weights!r} not found; give the path of a .safetensors or "
+                          "weights-only torch checkpoint, or remove the key to use random init")
+
+
+def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
+    spec, options = resolve_dataset_options(cfg)
+    ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
+    rng = numpy_rng(cfg.seed, "subsample")
+    ds.train = subsample_per_class(ds.train, cfg.data.train_per_class, rng)
+    ds.test = subsample_per_class(ds.test, cfg.data.test_per_class, rng)
+    return ds
+
+
+def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> FrozenViT:
+    """One frozen backbone per (config, device) in this process, shared by every client and every run."""
+    key = json.dumps([cfg.backbone.model_dump(mode="json"), str(device)], sort_keys=True)
+    if key not in _BACKBONES:
+        _BACKBONES[key] = build_vit(cfg.backbone).to(device)
+    return _BACKBONES[key]
+
+
+def resolve_device(cfg: ExperimentConfig) -> torch.device:
+    if cfg.engine.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.engine.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("engine.device: cuda requested but no GPU is available; use auto or cpu")
+    return torch.device(cfg.engine.device)
+
+
+def environment_info() -> dict[str, str]:
+    import timm
+
+    return {"promptfcl": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "timm": timm.__version__, "numpy": np.__version__, "platform": platform.platform()}
+
+
+@dataclass
+class Runtime:
+    """A validated config turned into live objects: dataset, scenario, shared backbone, method and its env."""
+
+    cfg: ExperimentConfig
+    spec: MethodSpec
+    params: Any
+    device: torch.device
+    dataset: ImageDataset
+    scenario: Scenario
+    env: MethodEnv
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig, scenario_file: Path | None = None) -> Runtime:
+        """Check the config, decode the data, build (or reload) the scenario, share the backbone."""
+        check_config(cfg)
+        spec, params = resolve_method(cfg)
+        device = resolve_device(cfg)
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
+        try:
+            dataset = load_dataset(cfg)
+        except DataMissingError as e:
+            raise ConfigError(f"data: {e}") from None
+        if scenario_file is not None and scenario_file.is_file():
+            scenario = Scenario.load(scenario_file)
+        else:
+            try:
+                scenario = build_class_incremental(cfg.scenario, dataset.train.targets.numpy(),
+                                                   dataset.test.targets.numpy(), dataset.num_classes, cfg.seed)
+            except PartitionError as e:
+                raise ConfigError(f"scenario: {e}") from None
+        try:
+            backbone = shared_backbone(cfg, device)
+        except BackboneError as e:
+            raise ConfigError(f"backbone: {e}") from None
+        b = cfg.backbone
+        eval_tf = ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
+        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed)
+        return cls(cfg, spec, params, device, dataset, scenario, env)
+
+    def programs(self) -> tuple[ServerProgram, ClientProgram]:
+        """Fresh server and client programs of the configured method."""
+        try:
+            return self.spec.programs(self.env, self.params)
+        except ValueError as e:
+            raise ConfigError(f"method: {e}") from None
