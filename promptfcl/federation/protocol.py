@@ -41,19 +41,58 @@ class ClientFailure:
     reason: str
 
 
+@dataclass
+class RoundTraffic:
+    """Bytes and timing of one round's exchanges, counted the same way by every engine."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    messages: int = 0
+    client_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bytes_down": self.bytes_down, "bytes_up": self.bytes_up, "messages": self.messages,
+                "client_seconds": round(self.client_seconds, 4)}
+
+
 class Grid(ABC):
-    """What a server program uses to reach clients (the in-process engine and the Flower adapter implement it)."""
+    """What a server program uses to reach clients; engines implement `_deliver`.
 
-    round: RoundInfo
-    failures: list[ClientFailure]
+    The base class does what every engine must do identically: stamp `task` and `round` on each message,
+    count bytes down and up, and keep the round's traffic and failures for the log.
+    """
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self.round = RoundInfo(0, 0, ())
+        self.traffic = RoundTraffic()
+        self.failures: list[ClientFailure] = []
+
+    def start_round(self, info: RoundInfo) -> None:
+        self.round = info
+        self.traffic = RoundTraffic()
+        self.failures = []
+
     def send(self, messages: Mapping[int, Message]) -> dict[int, Message]:
         """Deliver one message per client id; return the replies of the clients that answered."""
+        stamped = {}
+        for cid, msg in messages.items():
+            m = msg.copy()
+            m.scalars.setdefault("task", self.round.task)
+            m.scalars.setdefault("round", self.round.round)
+            stamped[cid] = m
+        replies = self._deliver(stamped)
+        self.traffic.messages += len(stamped)
+        self.traffic.bytes_down += sum(m.nbytes() for m in stamped.values())
+        self.traffic.bytes_up += sum(r.nbytes() for r in replies.values())
+        return replies
 
     def broadcast(self, clients: Iterable[int], message: Message) -> dict[int, Message]:
         """Send the same message to several clients."""
         return self.send({c: message for c in clients})
+
+    @abstractmethod
+    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        """Run/transport the (already stamped, privately owned) messages; return replies by client id."""
 
 
 @dataclass
