@@ -66,6 +66,8 @@ class Grid(ABC):
         self.round = RoundInfo(0, 0, ())
         self.traffic = RoundTraffic()
         self.failures: list[ClientFailure] = []
+        # client states the engine holds and checkpoints (in-process: all; Flower: none, nodes keep their own)
+        self.states: dict[int, Record] = {}
 
     def start_round(self, info: RoundInfo) -> None:
         self.round = info
@@ -168,7 +170,13 @@ class ServerProgram(_Program, ABC):
 
 
 class ClientProgram(_Program, ABC):
-    """The client side of a method. Holds no per-client data: that lives in `ctx.state`."""
+    """The client side of a method. Holds no per-client data: that lives in `ctx.state`.
+
+    `message_kinds` lists every message kind `handle` accepts (engines that route by kind, like Flower,
+    register one handler per kind).
+    """
+
+    message_kinds: ClassVar[tuple[str, ...]] = ("train",)
 
     @abstractmethod
     def handle(self, message: Message, ctx: ClientContext) -> Message:

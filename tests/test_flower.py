@@ -1,0 +1,101 @@
+"""Flower deployment on loopback: SuperLink + two SuperNodes + `flwr run`, against the in-process engine.
+
+Runs when flwr is installed (`pip install 'promptfcl[flower]'`; `make test` installs it) and skips otherwise.
+Every process started here is killed at the end, including the SuperExecs they spawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from promptfcl.config import build_config
+from promptfcl.experiment import Experiment
+
+from .conftest import tiny_raw
+
+pytest.importorskip("flwr", reason="flwr not installed: pip install 'promptfcl[flower]'")
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Federation:
+    """A SuperLink and N SuperNodes on 127.0.0.1 with FLWR_HOME in a temp dir; `stop()` kills them all."""
+
+    def __init__(self, home: Path, clients: int) -> None:
+        self.home = home
+        home.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+                    "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen] = []
+        self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
+        self._start("superlink", [str(BIN / "flower-superlink"), "--insecure",
+                                  "--disable-runtime-dependency-installation", "--port", str(self.port)])
+        time.sleep(3)
+        for k in range(clients):
+            self._start(f"node{k}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
+                                     f"127.0.0.1:{self.port}", "--port", str(free_port()),
+                                     "--node-config", f"partition-id={k} num-partitions={clients}"])
+        subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
+        with open(home / "config.toml", "a") as f:
+            f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+
+    def _start(self, name: str, cmd: list[str]) -> None:
+        log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def run(self, app: Path, run_config: str, timeout: int = 400) -> dict:
+        out = subprocess.run([str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", run_config],
+                             env=self.env, capture_output=True, text=True, timeout=timeout)
+        for line in out.stdout.splitlines():
+            if line.startswith('{"promptfcl"'):
+                return json.loads(line)["promptfcl"]
+        logs = "\n".join(p.read_text()[-2000:] for p in self.home.glob("*.log"))
+        raise AssertionError(f"no result line from flwr run:\n{out.stdout[-3000:]}\n{out.stderr[-2000:]}\n{logs}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+
+def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
+    from promptfcl.flower.project import write_app
+
+    raw = tiny_raw(scenario={"num_tasks": 2, "num_clients": 2, "rounds_per_task": 1})
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(raw))
+    reference = Experiment(build_config(raw), tmp_path / "inproc", show_progress=False).run()
+
+    app = write_app(tmp_path / "app")
+    fed = Federation(tmp_path / "flwr_home", clients=2)
+    try:
+        result = fed.run(app, f"config-file='{cfg_file}' run-dir='{tmp_path / 'flower_run'}'")
+    finally:
+        fed.stop()
+    assert result["accuracy_matrix"] == reference["accuracy_matrix"]
+    assert result["communication"] == reference["communication"]  # bytes counted identically
+    ours = load_file(str(tmp_path / "flower_run" / "checkpoint.safetensors"))
+    ref = load_file(str(tmp_path / "inproc" / "checkpoint.safetensors"))
+    server_keys = [k for k in ref if k.startswith("server/")]
+    assert server_keys and all((ours[k] == ref[k]).all() for k in server_keys)  # exactly equal global parameters
+    assert all(p.poll() is not None for p in fed.procs)
