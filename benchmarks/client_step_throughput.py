@@ -74,8 +74,15 @@ def main() -> None:
 
     backbone = build_vit(BackboneConfig(name="vit_tiny_patch16_224", img_size=args.img_size)).to(device)
     classes = 10
-    ds = load_synthetic(None, SyntheticOptions(num_classes=classes, train_per_class=args.images // classes,  # type: ignore[arg-type]
-                                               test_per_class=1), False)
+    ds = load_synthetic(
+        None,
+        SyntheticOptions(
+            num_classes=classes,
+            train_per_class=args.images // classes,  # type: ignore[arg-type]
+            test_per_class=1,
+        ),
+        False,
+    )
     space = LabelSpace([list(range(classes))], classes)
     tf = ImageTransform(args.img_size)
     spec = METHODS.get("fedavg_prompt")
@@ -102,7 +109,7 @@ def main() -> None:
     def bare() -> float:
         t0 = time.perf_counter()
         for s in range(0, len(x_all), args.batch):
-            step(x_all[s:s + args.batch], y_all[s:s + args.batch])
+            step(x_all[s : s + args.batch], y_all[s : s + args.batch])
         _sync(device)
         return len(x_all) / (time.perf_counter() - t0)
 
@@ -111,13 +118,25 @@ def main() -> None:
     for _ in range(args.repeats):
         o.append(ours())
         b.append(bare())
-    result = {"device": str(device), "threads": torch.get_num_threads(), "img_size": args.img_size,
-              "batch": args.batch, "images": len(data), "prefix_length": params.length, "layers": params.layers,
-              "ours_images_per_s": statistics.median(o), "bare_images_per_s": statistics.median(b),
-              "ratio": statistics.median(o) / statistics.median(b), "ours_all": o, "bare_all": b}
-    print(f"| step | images/s |\n| --- | --- |\n| fedavg_prompt client step | {result['ours_images_per_s']:.1f} |\n"
-          f"| bare timm forward+backward, same prompt and batch | {result['bare_images_per_s']:.1f} |\n"
-          f"| ratio (target >= 0.9) | {result['ratio']:.3f} |")
+    result = {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "img_size": args.img_size,
+        "batch": args.batch,
+        "images": len(data),
+        "prefix_length": params.length,
+        "layers": params.layers,
+        "ours_images_per_s": statistics.median(o),
+        "bare_images_per_s": statistics.median(b),
+        "ratio": statistics.median(o) / statistics.median(b),
+        "ours_all": o,
+        "bare_all": b,
+    }
+    print(
+        f"| step | images/s |\n| --- | --- |\n| fedavg_prompt client step | {result['ours_images_per_s']:.1f} |\n"
+        f"| bare timm forward+backward, same prompt and batch | {result['bare_images_per_s']:.1f} |\n"
+        f"| ratio (target >= 0.9) | {result['ratio']:.3f} |"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -81,8 +81,13 @@ def load_checkpoint(run_dir: Path, restore_rng: bool = True) -> Checkpoint:
         random.setstate(_tupled(s["rng"]["python"]))
         name, key, pos, has_gauss, cached = s["rng"]["numpy"]
         np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
-    return Checkpoint(s["position"]["next_task"], s["position"]["next_round"],
-                      Record(unprefixed(rec.tensors, "server/"), s["server"]), clients, s["progress"])
+    return Checkpoint(
+        s["position"]["next_task"],
+        s["position"]["next_round"],
+        Record(unprefixed(rec.tensors, "server/"), s["server"]),
+        clients,
+        s["progress"],
+    )
 
 
 def _numpy_state() -> list:

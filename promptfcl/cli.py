@@ -26,8 +26,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.config is None:
             raise ConfigError("give a config file (promptfcl run configs/quickstart.yaml) or --resume RUN_DIR")
         cfg = load_config(args.config, args.set)
-        run_dir = Path(args.run_dir) if args.run_dir else Path(cfg.output_dir) / (
-            f"{cfg.run_name()}_{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir = (
+            Path(args.run_dir)
+            if args.run_dir
+            else Path(cfg.output_dir) / (f"{cfg.run_name()}_{time.strftime('%Y%m%d-%H%M%S')}")
+        )
         if (run_dir / "checkpoint.safetensors").exists():
             raise ConfigError(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
         exp = Experiment(cfg, run_dir, show_progress=not args.quiet, console=console)
@@ -63,8 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run one experiment from a YAML config")
     run.add_argument("config", nargs="?", help="YAML config file")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set scenario.num_tasks=5 (repeatable)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set scenario.num_tasks=5 (repeatable)",
+    )
     run.add_argument("--run-dir", help="write results here (default: OUTPUT_DIR/NAME_TIMESTAMP)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress display")

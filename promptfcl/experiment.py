@@ -33,8 +33,14 @@ __all__ = ["Experiment", "check_config", "resolve_method"]
 class Experiment:
     """One run of one method on one scenario; `run()` trains, evaluates and writes `run_dir`."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, show_progress: bool = True,
-                 console: Console | None = None, grid_factory: Callable[[Runtime], Grid] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: Path,
+        show_progress: bool = True,
+        console: Console | None = None,
+        grid_factory: Callable[[Runtime], Grid] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.grid_factory = grid_factory
         self.run_dir = Path(run_dir)
@@ -57,12 +63,14 @@ class Experiment:
         self.dataset, self.scenario, self.env = rt.dataset, rt.scenario, rt.env
         self.server, self.client = rt.programs()
         if self.grid_factory is None:
-            self.grid: Grid = InProcessGrid(self.client, self.scenario, self.dataset.train, self.cfg.seed,
-                                            self.device, on_reply=self._on_reply)
+            self.grid: Grid = InProcessGrid(
+                self.client, self.scenario, self.dataset.train, self.cfg.seed, self.device, on_reply=self._on_reply
+            )
         else:
             self.grid = self.grid_factory(rt)
-        self.evaluator = Evaluator(self.dataset.test, self.scenario, rt.env.eval_transform, self.cfg.eval.batch_size,
-                                   self.device)
+        self.evaluator = Evaluator(
+            self.dataset.test, self.scenario, rt.env.eval_transform, self.cfg.eval.batch_size, self.device
+        )
         self.setup_seconds = time.perf_counter() - t0
 
     def _write_run_files(self) -> None:
@@ -70,16 +78,23 @@ class Experiment:
         (self.run_dir / "config.yaml").write_text(dump_config(self.cfg))
         targets = self.dataset.train.targets.numpy()
         self.scenario.save(self.run_dir / "scenario.json", targets)
-        plot_client_class_counts(self.scenario.client_class_counts(targets), self.run_dir / "scenario_heatmap.png",
-                                 [len(c) for c in self.scenario.task_classes])
+        plot_client_class_counts(
+            self.scenario.client_class_counts(targets),
+            self.run_dir / "scenario_heatmap.png",
+            [len(c) for c in self.scenario.task_classes],
+        )
         (self.run_dir / "environment.json").write_text(json.dumps(environment_info(), indent=2))
 
     # ------------------------------------------------------------------------------------------- run
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.setup(resume)
-        progress_state: dict[str, Any] = {"accuracy_matrix": [], "correct": [], "total": [], "rounds": [],
-                                          "timing": {"client_seconds": 0.0, "server_seconds": 0.0,
-                                                     "eval_seconds": 0.0, "train_seconds": 0.0}}
+        progress_state: dict[str, Any] = {
+            "accuracy_matrix": [],
+            "correct": [],
+            "total": [],
+            "rounds": [],
+            "timing": {"client_seconds": 0.0, "server_seconds": 0.0, "eval_seconds": 0.0, "train_seconds": 0.0},
+        }
         start_task, start_round = 0, 0
         if resume:
             ckpt = load_checkpoint(self.run_dir)
@@ -120,9 +135,15 @@ class Experiment:
         timing = self.state["timing"]
         timing["client_seconds"] += traffic.client_seconds
         timing["server_seconds"] += round_seconds - traffic.client_seconds
-        entry: dict[str, Any] = {"task": task, "round": rnd, "participants": list(info.participants),
-                                 **traffic.as_dict(), "seconds": round(round_seconds, 4),
-                                 "failures": [f.__dict__ for f in self.grid.failures], **round_metrics}
+        entry: dict[str, Any] = {
+            "task": task,
+            "round": rnd,
+            "participants": list(info.participants),
+            **traffic.as_dict(),
+            "seconds": round(round_seconds, 4),
+            "failures": [f.__dict__ for f in self.grid.failures],
+            **round_metrics,
+        }
         if last or self.cfg.eval.every_round:
             self.progress.note("evaluating")
             t1 = time.perf_counter()
@@ -136,8 +157,9 @@ class Experiment:
         self.state["rounds"].append(clean_json(entry))
         write_rounds(self.run_dir, self.state["rounds"])
         nxt = (task + 1, 0) if last else (task, rnd + 1)
-        save_checkpoint(self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states),
-                                                 self.state))
+        save_checkpoint(
+            self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
+        )
         self.progress.round_done()
 
     def _finish(self) -> dict[str, Any]:
@@ -145,8 +167,9 @@ class Experiment:
         rounds = self.state["rounds"]
         timing = dict(self.state["timing"])
         timing["setup_seconds"] = self.setup_seconds
-        timing["total_seconds"] = (self.setup_seconds + timing["client_seconds"] + timing["server_seconds"]
-                                   + timing["eval_seconds"])
+        timing["total_seconds"] = (
+            self.setup_seconds + timing["client_seconds"] + timing["server_seconds"] + timing["eval_seconds"]
+        )
         up = sum(r["bytes_up"] for r in rounds)
         down = sum(r["bytes_down"] for r in rounds)
         metrics = {
@@ -156,8 +179,12 @@ class Experiment:
             "summary": summarize(A, self.state["correct"], self.state["total"]),
             "accuracy_matrix": A,
             "accuracy_curve": accuracy_curve(A),
-            "communication": {"bytes_up": up, "bytes_down": down, "rounds": len(rounds),
-                              "mb_per_round": (up + down) / max(len(rounds), 1) / 1e6},
+            "communication": {
+                "bytes_up": up,
+                "bytes_down": down,
+                "rounds": len(rounds),
+                "mb_per_round": (up + down) / max(len(rounds), 1) / 1e6,
+            },
             "timing": timing,
         }
         write_final(self.run_dir, self.cfg.run_name(), metrics)

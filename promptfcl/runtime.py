@@ -49,8 +49,9 @@ def _validate_section(model: type[BaseModel], values: dict[str, Any], prefix: st
 def resolve_method(cfg: ExperimentConfig) -> tuple[MethodSpec, Any]:
     """The registered method and its validated hyper-parameters (paper defaults + config overrides)."""
     spec = _lookup(METHODS, cfg.method.name, "method.name")
-    return spec, _validate_section(spec.params, cfg.method.params_dict(), "method.",
-                                   f"hyper-parameters for method {spec.name!r}")
+    return spec, _validate_section(
+        spec.params, cfg.method.params_dict(), "method.", f"hyper-parameters for method {spec.name!r}"
+    )
 
 
 def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
@@ -93,14 +94,20 @@ def _check_backbone(cfg: ExperimentConfig) -> None:
 
     b = cfg.backbone
     if not timm.is_model(b.name):
-        raise ConfigError(f"backbone.name: timm has no model {b.name!r} (try vit_tiny_patch16_224, "
-                          "vit_base_patch16_224.augreg_in21k; `promptfcl list` shows more)")
+        raise ConfigError(
+            f"backbone.name: timm has no model {b.name!r} (try vit_tiny_patch16_224, "
+            "vit_base_patch16_224.augreg_in21k; `promptfcl list` shows more)"
+        )
     if not b.name.startswith(("vit_", "deit_")):
-        raise ConfigError(f"backbone.name: {b.name!r} is not a plain ViT; prompt injection needs a timm "
-                          "VisionTransformer (vit_* or deit_*)")
+        raise ConfigError(
+            f"backbone.name: {b.name!r} is not a plain ViT; prompt injection needs a timm "
+            "VisionTransformer (vit_* or deit_*)"
+        )
     if b.weights and not Path(b.weights).is_file():
-        raise ConfigError(f"backbone.weights: file {b.weights!r} not found; give the path of a .safetensors or "
-                          "weights-only torch checkpoint, or remove the key to use random init")
+        raise ConfigError(
+            f"backbone.weights: file {b.weights!r} not found; give the path of a .safetensors or "
+            "weights-only torch checkpoint, or remove the key to use random init"
+        )
 
 
 def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
@@ -131,8 +138,14 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
 def environment_info() -> dict[str, str]:
     import timm
 
-    return {"promptfcl": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "timm": timm.__version__, "numpy": np.__version__, "platform": platform.platform()}
+    return {
+        "promptfcl": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+    }
 
 
 @dataclass
@@ -163,8 +176,13 @@ class Runtime:
             scenario = Scenario.load(scenario_file)
         else:
             try:
-                scenario = build_class_incremental(cfg.scenario, dataset.train.targets.numpy(),
-                                                   dataset.test.targets.numpy(), dataset.num_classes, cfg.seed)
+                scenario = build_class_incremental(
+                    cfg.scenario,
+                    dataset.train.targets.numpy(),
+                    dataset.test.targets.numpy(),
+                    dataset.num_classes,
+                    cfg.seed,
+                )
             except PartitionError as e:
                 raise ConfigError(f"scenario: {e}") from None
         try:

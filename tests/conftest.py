@@ -15,10 +15,17 @@ TINY: dict[str, Any] = {
     "name": "tiny",
     "seed": 0,
     "data": {"name": "synthetic", "options": {"num_classes": 6, "train_per_class": 40, "test_per_class": 8}},
-    "scenario": {"num_tasks": 2, "num_clients": 3, "rounds_per_task": 2,
-                 "partition": {"kind": "dirichlet", "beta": 0.5, "min_samples": 2}},
-    "backbone": {"name": "vit_tiny_patch16_224", "img_size": 32,
-                 "kwargs": {"patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 3}},
+    "scenario": {
+        "num_tasks": 2,
+        "num_clients": 3,
+        "rounds_per_task": 2,
+        "partition": {"kind": "dirichlet", "beta": 0.5, "min_samples": 2},
+    },
+    "backbone": {
+        "name": "vit_tiny_patch16_224",
+        "img_size": 32,
+        "kwargs": {"patch_size": 8, "depth": 2, "embed_dim": 48, "num_heads": 3},
+    },
     "method": {"name": "fedavg_prompt", "layers": [0, 1], "local_epochs": 2, "batch_size": 8, "lr": 0.01},
     "engine": {"device": "cpu"},
 }

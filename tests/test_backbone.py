@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 from promptfcl.backbones import BackboneError, FrozenViT, PromptSpec, build_vit
 from promptfcl.config import BackboneConfig
 
-CFG = BackboneConfig(name="vit_tiny_patch16_224", img_size=32,
-                     kwargs={"patch_size": 8, "depth": 3, "embed_dim": 48, "num_heads": 3})
+CFG = BackboneConfig(
+    name="vit_tiny_patch16_224", img_size=32, kwargs={"patch_size": 8, "depth": 3, "embed_dim": 48, "num_heads": 3}
+)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,11 @@ from promptfcl.scenario import build_class_incremental
 
 def test_message_byte_count_is_tensor_bytes_plus_json() -> None:
     scalars = {"num_samples": 12, "loss": 0.5}
-    m = Message({"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.float64),
-                 "c": torch.zeros(5, dtype=torch.int8)},
-                scalars, kind="train")
+    m = Message(
+        {"a": torch.zeros(10, 4), "b": torch.zeros(3, dtype=torch.float64), "c": torch.zeros(5, dtype=torch.int8)},
+        scalars,
+        kind="train",
+    )
     expected = 10 * 4 * 4 + 3 * 8 + 5 + len(json.dumps(scalars, sort_keys=True)) + len("train")
     assert m.nbytes() == expected
 
@@ -69,16 +71,20 @@ class CountingClient(ClientProgram):
         ctx.state.scalars["visits"] = n
         ctx.state.tensors["mine"] = torch.full((2,), float(ctx.client_id))
         message.tensors["shared"].add_(100.0)  # must not leak to the server or other clients
-        return Message({"seen": message.tensors["shared"].clone()},
-                       {"visits": n, "samples": len(ctx.train_data), "task": message.scalars["task"]}, kind="reply")
+        return Message(
+            {"seen": message.tensors["shared"].clone()},
+            {"visits": n, "samples": len(ctx.train_data), "task": message.scalars["task"]},
+            kind="reply",
+        )
 
 
 @pytest.fixture
 def grid() -> InProcessGrid:
     y = np.repeat(np.arange(4), 10)
     split = ImageSplit(torch.zeros(40, 3, 8, 8, dtype=torch.uint8), torch.tensor(y))
-    sc = build_class_incremental(ScenarioConfig(num_tasks=2, num_clients=3, rounds_per_task=2,
-                                                partition={"min_samples": 1}), y, y, 4, 0)
+    sc = build_class_incremental(
+        ScenarioConfig(num_tasks=2, num_clients=3, rounds_per_task=2, partition={"min_samples": 1}), y, y, 4, 0
+    )
     return InProcessGrid(CountingClient(None, None), sc, split, seed=0, device=torch.device("cpu"))  # type: ignore[arg-type]
 
 

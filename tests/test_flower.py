@@ -42,29 +42,57 @@ class Federation:
     def __init__(self, home: Path, clients: int) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "FLWR_HOME": str(home), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-                    "PYTHONUNBUFFERED": "1"}
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(home),
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONUNBUFFERED": "1",
+        }
         self.procs: list[subprocess.Popen] = []
         self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
-        self._start("superlink", [str(BIN / "flower-superlink"), "--insecure",
-                                  "--disable-runtime-dependency-installation", "--port", str(self.port)])
+        self._start(
+            "superlink",
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--port",
+                str(self.port),
+            ],
+        )
         time.sleep(3)
         for k in range(clients):
-            self._start(f"node{k}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
-                                     f"127.0.0.1:{self.port}", "--port", str(free_port()),
-                                     "--node-config", f"partition-id={k} num-partitions={clients}"])
+            self._start(
+                f"node{k}",
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{self.port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={k} num-partitions={clients}",
+                ],
+            )
         subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
         with open(home / "config.toml", "a") as f:
             f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
 
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
 
     def run(self, app: Path, run_config: str, timeout: int = 400) -> dict:
-        out = subprocess.run([str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", run_config],
-                             env=self.env, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", run_config],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         for line in out.stdout.splitlines():
             if line.startswith('{"promptfcl"'):
                 return json.loads(line)["promptfcl"]

@@ -19,8 +19,18 @@ from promptfcl.experiment import Experiment
 
 from .conftest import tiny_config, tiny_raw
 
-RESULT_FILES = ["config.yaml", "scenario.json", "scenario_heatmap.png", "metrics.json", "accuracy_matrix.csv",
-                "rounds.jsonl", "accuracy_matrix.png", "accuracy_curve.png", "report.md", "environment.json"]
+RESULT_FILES = [
+    "config.yaml",
+    "scenario.json",
+    "scenario_heatmap.png",
+    "metrics.json",
+    "accuracy_matrix.csv",
+    "rounds.jsonl",
+    "accuracy_matrix.png",
+    "accuracy_curve.png",
+    "report.md",
+    "environment.json",
+]
 
 
 def comparable(metrics: dict) -> dict:
@@ -72,13 +82,18 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path: Path) -> None:
     raw = tiny_raw(scenario={"num_tasks": 3, "rounds_per_task": 2})
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))
-    reference = Experiment(tiny_config(scenario={"num_tasks": 3, "rounds_per_task": 2}), tmp_path / "ref",
-                           show_progress=False).run()
+    reference = Experiment(
+        tiny_config(scenario={"num_tasks": 3, "rounds_per_task": 2}), tmp_path / "ref", show_progress=False
+    ).run()
 
     run_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "promptfcl", "run", str(cfg_path), "--run-dir", str(run_dir),
-                             "--quiet"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "promptfcl", "run", str(cfg_path), "--run-dir", str(run_dir), "--quiet"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     rounds_file = run_dir / "rounds.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline:  # wait until task 1 is under way: 3 rounds done = mid-task

@@ -62,8 +62,13 @@ def make(cfg: ScenarioConfig, seed: int = 0) -> Scenario:
 
 
 def test_class_incremental_scenario_structure_and_roundtrip(tmp_path) -> None:
-    cfg = ScenarioConfig(num_tasks=5, num_clients=4, rounds_per_task=3, class_order="shuffled",
-                         participation={"fraction": 0.5, "mode": "per_round"})
+    cfg = ScenarioConfig(
+        num_tasks=5,
+        num_clients=4,
+        rounds_per_task=3,
+        class_order="shuffled",
+        participation={"fraction": 0.5, "mode": "per_round"},
+    )
     s = make(cfg)
     flat = [c for t in s.task_classes for c in t]
     assert sorted(flat) == list(range(10)) and flat == s.class_order
@@ -77,8 +82,11 @@ def test_class_incremental_scenario_structure_and_roundtrip(tmp_path) -> None:
     s.save(path, y_train)
     s2 = Scenario.load(path)
     assert s2.task_classes == s.task_classes and s2.participants == s.participants
-    assert all(np.array_equal(a, b) for t, u in zip(s.client_train, s2.client_train, strict=True)
-               for a, b in zip(t, u, strict=True))
+    assert all(
+        np.array_equal(a, b)
+        for t, u in zip(s.client_train, s2.client_train, strict=True)
+        for a, b in zip(t, u, strict=True)
+    )
     assert s.client_class_counts(y_train).sum() == len(y_train)
 
 

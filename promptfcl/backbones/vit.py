@@ -118,8 +118,10 @@ class FrozenViT(nn.Module):
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise BackboneError(f"backbone weights file {path} not found; set backbone.weights to an existing "
-                            ".safetensors or torch checkpoint")
+        raise BackboneError(
+            f"backbone weights file {path} not found; set backbone.weights to an existing "
+            ".safetensors or torch checkpoint"
+        )
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -145,8 +147,7 @@ def build_vit(cfg: BackboneConfig) -> FrozenViT:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.init_seed)  # a random-init backbone is a pure function of the config
-            model = timm.create_model(cfg.name, pretrained=cfg.pretrained and not cfg.weights, num_classes=0,
-                                      **kwargs)
+            model = timm.create_model(cfg.name, pretrained=cfg.pretrained and not cfg.weights, num_classes=0, **kwargs)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise BackboneError(f"timm has no model {cfg.name!r}; `promptfcl list` shows ViT names") from None

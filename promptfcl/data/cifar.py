@@ -125,19 +125,37 @@ def load_cifar10(root: Path, options: CifarOptions, download: bool) -> ImageData
     _maybe_download(root, "cifar-10-batches-py", download)
     _check("cifar-10-batches-py", "CIFAR-10")(root, options)
     base, md5 = _find_folder(root, "cifar-10-batches-py"), _MD5["cifar-10-batches-py"]
-    parts = [_read_release_file(base / f"data_batch_{i}", options.verify_md5, md5[f"data_batch_{i}"]) for i in
-             range(1, 6)]
+    parts = [
+        _read_release_file(base / f"data_batch_{i}", options.verify_md5, md5[f"data_batch_{i}"]) for i in range(1, 6)
+    ]
     train = ImageSplit(
         _to_images(np.concatenate([p["data"] for p in parts])),
         torch.tensor(np.concatenate([p["labels"] for p in parts])),
     )
     t = _read_release_file(base / "test_batch", options.verify_md5, md5["test_batch"])
     meta = _read_release_file(base / "batches.meta", options.verify_md5, md5["batches.meta"])
-    return ImageDataset("cifar10", train, ImageSplit(_to_images(t["data"]), torch.tensor(t["labels"])),
-                        list(meta["label_names"]))
+    return ImageDataset(
+        "cifar10", train, ImageSplit(_to_images(t["data"]), torch.tensor(t["labels"])), list(meta["label_names"])
+    )
 
 
-register_dataset(DatasetSpec("cifar100", "cifar-100-python", load_cifar100, _check("cifar-100-python", "CIFAR-100"),
-                             lambda o: 100, CifarOptions))
-register_dataset(DatasetSpec("cifar10", "cifar-10-batches-py", load_cifar10,
-                             _check("cifar-10-batches-py", "CIFAR-10"), lambda o: 10, CifarOptions))
+register_dataset(
+    DatasetSpec(
+        "cifar100",
+        "cifar-100-python",
+        load_cifar100,
+        _check("cifar-100-python", "CIFAR-100"),
+        lambda o: 100,
+        CifarOptions,
+    )
+)
+register_dataset(
+    DatasetSpec(
+        "cifar10",
+        "cifar-10-batches-py",
+        load_cifar10,
+        _check("cifar-10-batches-py", "CIFAR-10"),
+        lambda o: 10,
+        CifarOptions,
+    )
+)

@@ -67,8 +67,7 @@ def _decode(root: Path, rows: list[tuple[str, int]], size: int) -> ImageSplit:
                 images[i] = np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC))
         except OSError as e:
             raise DataMissingError(f"{path} could not be decoded as an image: {e}") from None
-    return ImageSplit(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
-                      torch.tensor([c for _, c in rows]))
+    return ImageSplit(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.tensor([c for _, c in rows]))
 
 
 def load_image_folder(root: Path, o: ImageFolderOptions, download: bool) -> ImageDataset:
@@ -77,8 +76,9 @@ def load_image_folder(root: Path, o: ImageFolderOptions, download: bool) -> Imag
     n = o.num_classes or 1 + max(c for _, c in train_rows + test_rows)
     names_file = root / o.classes_file
     names = names_file.read_text().splitlines()[:n] if names_file.is_file() else [f"class_{i}" for i in range(n)]
-    return ImageDataset(root.name, _decode(root, train_rows, o.decode_size), _decode(root, test_rows, o.decode_size),
-                        names)
+    return ImageDataset(
+        root.name, _decode(root, train_rows, o.decode_size), _decode(root, test_rows, o.decode_size), names
+    )
 
 
 def _num_classes(o: ImageFolderOptions) -> int:
@@ -87,5 +87,6 @@ def _num_classes(o: ImageFolderOptions) -> int:
     return o.num_classes
 
 
-register_dataset(DatasetSpec("image_folder", "image_folder", load_image_folder, check_image_folder, _num_classes,
-                             ImageFolderOptions))
+register_dataset(
+    DatasetSpec("image_folder", "image_folder", load_image_folder, check_image_folder, _num_classes, ImageFolderOptions)
+)

@@ -21,8 +21,7 @@ class LabeledSubset:
     targets: torch.Tensor  # logit indices, aligned with `indices`
 
     @classmethod
-    def of(cls, split: ImageSplit, indices: np.ndarray | torch.Tensor, class_to_logit: torch.Tensor
-           ) -> LabeledSubset:
+    def of(cls, split: ImageSplit, indices: np.ndarray | torch.Tensor, class_to_logit: torch.Tensor) -> LabeledSubset:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
         targets = class_to_logit[split.targets[idx]]
         if (targets < 0).any():
@@ -32,13 +31,18 @@ class LabeledSubset:
     def __len__(self) -> int:
         return int(self.indices.shape[0])
 
-    def batches(self, batch_size: int, transform: ImageTransform, generator: torch.Generator | None = None,
-                shuffle: bool = False, device: torch.device | str = "cpu"
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self,
+        batch_size: int,
+        transform: ImageTransform,
+        generator: torch.Generator | None = None,
+        shuffle: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, logit targets) batches; shuffling and augmentation draw from `generator`."""
         n = len(self)
         order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
         for start in range(0, n, batch_size):
-            sel = order[start:start + batch_size]
+            sel = order[start : start + batch_size]
             images = self.split.images[self.indices[sel]].to(device, non_blocking=True)
             yield transform(images, generator), self.targets[sel].to(device, non_blocking=True)

@@ -29,8 +29,9 @@ class SyntheticOptions(BaseModel):
     seed: int = 1234
 
 
-def _render(centers: torch.Tensor, sigmas: torch.Tensor, colors: torch.Tensor, bg: torch.Tensor, size: int
-            ) -> torch.Tensor:
+def _render(
+    centers: torch.Tensor, sigmas: torch.Tensor, colors: torch.Tensor, bg: torch.Tensor, size: int
+) -> torch.Tensor:
     """centers (N,K,2), sigmas (N,K), colors (N,K,3), bg (N,3) → float images (N,3,S,S) in [0,1]."""
     coords = torch.arange(size, dtype=torch.float32)
     dy = (coords.view(1, 1, size, 1) - centers[..., 1, None, None]) ** 2
@@ -41,8 +42,9 @@ def _render(centers: torch.Tensor, sigmas: torch.Tensor, colors: torch.Tensor, b
     return img.clamp(0, 1)
 
 
-def make_split(o: SyntheticOptions, per_class: int, gen: torch.Generator, protos: dict[str, torch.Tensor]
-               ) -> ImageSplit:
+def make_split(
+    o: SyntheticOptions, per_class: int, gen: torch.Generator, protos: dict[str, torch.Tensor]
+) -> ImageSplit:
     n = o.num_classes * per_class
     labels = torch.arange(o.num_classes).repeat_interleave(per_class)
     shift = (torch.rand(n, o.blobs, 2, generator=gen) * 2 - 1) * o.max_shift
@@ -69,5 +71,14 @@ def load_synthetic(root: Path, options: SyntheticOptions, download: bool) -> Ima
     return ImageDataset("synthetic", train, test, [f"class_{i:03d}" for i in range(o.num_classes)])
 
 
-register_dataset(DatasetSpec("synthetic", "synthetic", load_synthetic, lambda root, o: None,
-                             lambda o: o.num_classes, SyntheticOptions, needs_root=False))
+register_dataset(
+    DatasetSpec(
+        "synthetic",
+        "synthetic",
+        load_synthetic,
+        lambda root, o: None,
+        lambda o: o.num_classes,
+        SyntheticOptions,
+        needs_root=False,
+    )
+)

@@ -31,8 +31,9 @@ class ImageTransform:
         x = images.float().div_(255.0)
         if self.augment == "none" or generator is None:
             if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
-                x = F.interpolate(x, size=(self.img_size, self.img_size), mode=self.interpolation,
-                                  align_corners=False).clamp_(0, 1)
+                x = F.interpolate(
+                    x, size=(self.img_size, self.img_size), mode=self.interpolation, align_corners=False
+                ).clamp_(0, 1)
         else:
             x = self._augment(x, generator)
         mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
@@ -51,5 +52,6 @@ class ImageTransform:
         theta[:, :, 2] = shift
         theta = theta.to(x.device)
         grid = F.affine_grid(theta, [b, 3, self.img_size, self.img_size], align_corners=False)
-        return F.grid_sample(x, grid, mode=self.interpolation, padding_mode="reflection",
-                             align_corners=False).clamp_(0, 1)
+        return F.grid_sample(x, grid, mode=self.interpolation, padding_mode="reflection", align_corners=False).clamp_(
+            0, 1
+        )

@@ -30,8 +30,15 @@ class TaskResult:
 class Evaluator:
     """Class-incremental, task-agnostic evaluation (`regime="task_agnostic"`) or task-aware masking."""
 
-    def __init__(self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int,
-                 device: torch.device, regime: str = "task_agnostic") -> None:
+    def __init__(
+        self,
+        test: ImageSplit,
+        scenario: Scenario,
+        transform: ImageTransform,
+        batch_size: int,
+        device: torch.device,
+        regime: str = "task_agnostic",
+    ) -> None:
         self.scenario = scenario
         self.transform = transform
         self.batch_size = batch_size

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 
 
-def weighted_mean(states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float] | None = None
-                  ) -> dict[str, torch.Tensor]:
+def weighted_mean(
+    states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
     """Σ_k w_k·state_k / Σ_k w_k for every tensor name (uniform when `weights` is None).
 
     Sums are taken in float64 and cast back, so the result does not depend on summation order noise.

@@ -20,8 +20,16 @@ from promptfcl.scenario.scenario import Scenario
 from promptfcl.seeding import derive_seed, seed_everything
 
 
-def run_client(client: ClientProgram, message: Message, client_id: int, state: Record, scenario: Scenario,
-               train: ImageSplit, seed: int, device: torch.device) -> Message:
+def run_client(
+    client: ClientProgram,
+    message: Message,
+    client_id: int,
+    state: Record,
+    scenario: Scenario,
+    train: ImageSplit,
+    seed: int,
+    device: torch.device,
+) -> Message:
     """Handle one stamped message on the client side: build its context, seed, run the client program.
 
     Shared by every engine, so a client step is the same computation wherever it runs.
@@ -40,8 +48,15 @@ ClientHook = Callable[[int, Message], None]
 class InProcessGrid(Grid):
     """A `Grid` whose clients are a `ClientProgram` plus one state `Record` per client, run serially."""
 
-    def __init__(self, client: ClientProgram, scenario: Scenario, train: ImageSplit, seed: int,
-                 device: torch.device, on_reply: ClientHook | None = None) -> None:
+    def __init__(
+        self,
+        client: ClientProgram,
+        scenario: Scenario,
+        train: ImageSplit,
+        seed: int,
+        device: torch.device,
+        on_reply: ClientHook | None = None,
+    ) -> None:
         super().__init__()
         self.client = client
         self.scenario = scenario
@@ -55,8 +70,9 @@ class InProcessGrid(Grid):
         replies: dict[int, Message] = {}
         for cid in sorted(messages):
             t0 = time.perf_counter()
-            reply = run_client(self.client, messages[cid], cid, self.states[cid], self.scenario, self.train,
-                               self.seed, self.device)
+            reply = run_client(
+                self.client, messages[cid], cid, self.states[cid], self.scenario, self.train, self.seed, self.device
+            )
             self.traffic.client_seconds += time.perf_counter() - t0
             replies[cid] = reply.copy()
             if self.on_reply is not None:

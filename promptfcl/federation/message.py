@@ -47,8 +47,10 @@ class Record:
         return type(self)(**self._copied_fields())
 
     def _copied_fields(self) -> dict[str, Any]:
-        return {"tensors": {k: v.detach().clone() for k, v in self.tensors.items()},
-                "scalars": copy.deepcopy(self.scalars)}
+        return {
+            "tensors": {k: v.detach().clone() for k, v in self.tensors.items()},
+            "scalars": copy.deepcopy(self.scalars),
+        }
 
     def to_bytes(self) -> bytes:
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
@@ -70,7 +72,7 @@ class Record:
 
 def _read_metadata(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     return header.get("__metadata__", {}) or {}
 
 
@@ -101,4 +103,4 @@ def prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.T
 
 def unprefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The tensors whose names start with `prefix`, with the prefix removed."""
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

@@ -51,8 +51,12 @@ class RoundTraffic:
     client_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bytes_down": self.bytes_down, "bytes_up": self.bytes_up, "messages": self.messages,
-                "client_seconds": round(self.client_seconds, 4)}
+        return {
+            "bytes_down": self.bytes_down,
+            "bytes_up": self.bytes_up,
+            "messages": self.messages,
+            "client_seconds": round(self.client_seconds, 4),
+        }
 
 
 class Grid(ABC):

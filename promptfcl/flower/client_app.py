@@ -40,8 +40,9 @@ def handle(msg: FlowerMessage, context: Context) -> FlowerMessage:
     rt, client = runtime_for(context)
     cid = int(context.node_config["partition-id"])
     state = load_state(context.state)
-    reply = run_client(client, from_record_dict(msg.content), cid, state, rt.scenario, rt.dataset.train,
-                       rt.cfg.seed, rt.device)
+    reply = run_client(
+        client, from_record_dict(msg.content), cid, state, rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device
+    )
     store_state(context.state, state)
     return FlowerMessage(content=to_record_dict(reply), reply_to=msg)
 

@@ -23,8 +23,10 @@ def discover_partitions(grid: FlowerGridAPI, expected: int, wait_seconds: float 
         if len(nodes) >= expected or time.time() > deadline:
             break
         time.sleep(1.0)
-    msgs = [FlowerMessage(content=RecordDict({"q": ConfigRecord({"q": "partition"})}), dst_node_id=n,
-                          message_type=HELLO) for n in nodes]
+    msgs = [
+        FlowerMessage(content=RecordDict({"q": ConfigRecord({"q": "partition"})}), dst_node_id=n, message_type=HELLO)
+        for n in nodes
+    ]
     mapping: dict[int, int] = {}
     for reply in grid.send_and_receive(msgs, timeout=wait_seconds):
         if reply.has_error():
@@ -35,8 +37,10 @@ def discover_partitions(grid: FlowerGridAPI, expected: int, wait_seconds: float 
         mapping[pid] = reply.metadata.src_node_id
     missing = sorted(set(range(expected)) - set(mapping))
     if missing:
-        raise RuntimeError(f"no SuperNode serves partition(s) {missing}; start one per client with "
-                           "--node-config 'partition-id=K num-partitions=N'")
+        raise RuntimeError(
+            f"no SuperNode serves partition(s) {missing}; start one per client with "
+            "--node-config 'partition-id=K num-partitions=N'"
+        )
     return mapping
 
 
@@ -51,9 +55,15 @@ class FlowerGrid(Grid):
         self.timeout = timeout
 
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        out = [FlowerMessage(content=to_record_dict(m), dst_node_id=self.node_of_client[cid],
-                             message_type=flower_message_type(m.kind),
-                             group_id=f"{self.round.task}.{self.round.round}") for cid, m in messages.items()]
+        out = [
+            FlowerMessage(
+                content=to_record_dict(m),
+                dst_node_id=self.node_of_client[cid],
+                message_type=flower_message_type(m.kind),
+                group_id=f"{self.round.task}.{self.round.round}",
+            )
+            for cid, m in messages.items()
+        ]
         t0 = time.perf_counter()
         replies: dict[int, Message] = {}
         for reply in self.grid.send_and_receive(out, timeout=self.timeout):

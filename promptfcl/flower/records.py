@@ -18,10 +18,12 @@ def flower_message_type(kind: str) -> str:
 
 
 def to_record_dict(msg: Message) -> RecordDict:
-    return RecordDict({
-        TENSORS: ArrayRecord(torch_state_dict={k: v.detach().cpu().contiguous() for k, v in msg.tensors.items()}),
-        META: ConfigRecord({"kind": msg.kind, "scalars": json.dumps(msg.scalars)}),
-    })
+    return RecordDict(
+        {
+            TENSORS: ArrayRecord(torch_state_dict={k: v.detach().cpu().contiguous() for k, v in msg.tensors.items()}),
+            META: ConfigRecord({"kind": msg.kind, "scalars": json.dumps(msg.scalars)}),
+        }
+    )
 
 
 def from_record_dict(content: RecordDict) -> Message:
@@ -40,5 +42,6 @@ def load_state(state: RecordDict) -> Record:
 
 def store_state(state: RecordDict, record: Record) -> None:
     state[STATE + ".tensors"] = ArrayRecord(
-        torch_state_dict={k: v.detach().cpu().contiguous() for k, v in record.tensors.items()})
+        torch_state_dict={k: v.detach().cpu().contiguous() for k, v in record.tensors.items()}
+    )
     state[STATE + ".meta"] = ConfigRecord({"scalars": json.dumps(record.scalars)})

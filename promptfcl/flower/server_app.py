@@ -33,6 +33,16 @@ def main(grid: FlowerGridAPI, context: Context) -> None:
 
     exp = Experiment(cfg, Path(str(rc["run-dir"])), show_progress=False, grid_factory=make_grid)
     metrics = exp.run(resume=bool(rc.get("resume", False)))
-    print(json.dumps({"promptfcl": {"run_dir": str(exp.run_dir), "summary": metrics["summary"],
-                                    "accuracy_matrix": metrics["accuracy_matrix"],
-                                    "communication": metrics["communication"]}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "promptfcl": {
+                    "run_dir": str(exp.run_dir),
+                    "summary": metrics["summary"],
+                    "accuracy_matrix": metrics["accuracy_matrix"],
+                    "communication": metrics["communication"],
+                }
+            }
+        ),
+        flush=True,
+    )

@@ -46,16 +46,27 @@ class SupervisedClient(ClientProgram):
         model = self.model
         model.set_state(message.tensors)
         stats = self.train(model, ctx)
-        return Message(model.get_state(), {"num_samples": len(ctx.train_data), "loss": stats["loss"],
-                                           **self.upload_scalars(model, ctx)}, kind="train_reply")
+        return Message(
+            model.get_state(),
+            {"num_samples": len(ctx.train_data), "loss": stats["loss"], **self.upload_scalars(model, ctx)},
+            kind="train_reply",
+        )
 
     def train(self, model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
         p = self.params
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
         mask = self.env.label_space.train_mask(ctx.task, p.train_logits)
-        return train_local(model, ctx.train_data, p, mask, self.env.train_transform(p.augment),
-                           torch_generator(ctx.seed, "local"), ctx.device, self.loss)
+        return train_local(
+            model,
+            ctx.train_data,
+            p,
+            mask,
+            self.env.train_transform(p.augment),
+            torch_generator(ctx.seed, "local"),
+            ctx.device,
+            self.loss,
+        )
 
     def upload_scalars(self, model: torch.nn.Module, ctx: ClientContext) -> dict:
         return {}

@@ -40,5 +40,12 @@ def build_model(env: MethodEnv, p: FedAvgPromptParams) -> PromptedClassifier:
     return PromptedClassifier(env.backbone, env.label_space.num_logits, prompt)
 
 
-register_method("fedavg_prompt", FedAvgPromptParams, FedAvgServer, SupervisedClient, build_model,
-                "one shared prefix prompt + linear head, sample-weighted FedAvg", "HGP (prompt-only ablation)")
+register_method(
+    "fedavg_prompt",
+    FedAvgPromptParams,
+    FedAvgServer,
+    SupervisedClient,
+    build_model,
+    "one shared prefix prompt + linear head, sample-weighted FedAvg",
+    "HGP (prompt-only ablation)",
+)

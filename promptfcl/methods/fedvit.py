@@ -24,5 +24,12 @@ def build_model(env: MethodEnv, p: FedViTParams) -> PromptedClassifier:
     return PromptedClassifier(env.backbone, env.label_space.num_logits, prompt=None)
 
 
-register_method("fedvit", FedViTParams, FedAvgServer, SupervisedClient, build_model,
-                "frozen ViT + linear head, FedAvg", "FedMGP (KDD'24) baseline")
+register_method(
+    "fedvit",
+    FedViTParams,
+    FedAvgServer,
+    SupervisedClient,
+    build_model,
+    "frozen ViT + linear head, FedAvg",
+    "FedMGP (KDD'24) baseline",
+)

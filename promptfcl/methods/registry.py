@@ -10,8 +10,15 @@ from promptfcl.registry import Registry
 METHODS: Registry[MethodSpec] = Registry("method")
 
 
-def register_method(name: str, params: type[BaseModel], server: type[ServerProgram], client: type[ClientProgram],
-                    build_model: ModelFactory | None, summary: str, paper: str = "") -> MethodSpec:
+def register_method(
+    name: str,
+    params: type[BaseModel],
+    server: type[ServerProgram],
+    client: type[ClientProgram],
+    build_model: ModelFactory | None,
+    summary: str,
+    paper: str = "",
+) -> MethodSpec:
     """Register a method under `name`; its `params` model holds the paper's defaults."""
     spec = MethodSpec(name, params, server, client, build_model, summary, paper)
     METHODS.register(name)(spec)

@@ -19,8 +19,13 @@ class PrefixPrompt(nn.Module):
 
     needs_query = False
 
-    def __init__(self, dim: int, layers: tuple[int, ...] | list[int] = (0, 1, 2, 3, 4), length: int = 20,
-                 init: Literal["zeros", "uniform"] = "zeros") -> None:
+    def __init__(
+        self,
+        dim: int,
+        layers: tuple[int, ...] | list[int] = (0, 1, 2, 3, 4),
+        length: int = 20,
+        init: Literal["zeros", "uniform"] = "zeros",
+    ) -> None:
         super().__init__()
         if length % 2:
             raise ValueError("prefix length must be even (half keys, half values)")

@@ -21,8 +21,9 @@ def plot_accuracy_matrix(A: Sequence[Sequence[float]], path: Path, title: str = 
     im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
     for t in range(T):
         for i in range(t + 1):
-            ax.text(i, t, f"{M[t, i]:.0f}", ha="center", va="center", fontsize=7,
-                    color="white" if M[t, i] < 60 else "black")
+            ax.text(
+                i, t, f"{M[t, i]:.0f}", ha="center", va="center", fontsize=7, color="white" if M[t, i] < 60 else "black"
+            )
     ax.set_xlabel("evaluated task")
     ax.set_ylabel("after training task")
     ax.set_xticks(range(T))

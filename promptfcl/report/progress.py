@@ -21,8 +21,14 @@ class RunProgress:
     def __init__(self, total_rounds: int, enabled: bool = True, console: Console | None = None) -> None:
         self.enabled = enabled
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=console or Console(stderr=True), transient=False, disable=not enabled,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
+            disable=not enabled,
         )
         self._bar = self._progress.add_task("starting", total=total_rounds)
         self.where = ""
@@ -31,8 +37,9 @@ class RunProgress:
         self._progress.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._progress.stop()
 
     def skip(self, rounds: int) -> None:

@@ -46,11 +46,14 @@ def dirichlet_partition(
     )
 
 
-def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator, min_samples: int = 0
-                  ) -> list[np.ndarray]:
+def iid_partition(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, min_samples: int = 0
+) -> list[np.ndarray]:
     """A uniform random split into (almost) equal shards."""
     if num_clients * max(min_samples, 1) > len(labels):
-        raise PartitionError(f"impossible partition: {len(labels)} samples cannot give {num_clients} clients "
-                             f"{max(min_samples, 1)} each; lower scenario.num_clients")
+        raise PartitionError(
+            f"impossible partition: {len(labels)} samples cannot give {num_clients} clients "
+            f"{max(min_samples, 1)} each; lower scenario.num_clients"
+        )
     perm = rng.permutation(len(labels))
     return [np.sort(part) for part in np.array_split(perm, num_clients)]

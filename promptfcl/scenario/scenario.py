@@ -101,19 +101,23 @@ def task_class_counts(cfg: ScenarioConfig, num_classes: int) -> list[int]:
     cpt = cfg.classes_per_task
     if cpt is None:
         if num_classes % cfg.num_tasks:
-            raise PartitionError(f"{num_classes} classes do not split evenly into {cfg.num_tasks} tasks; "
-                                 "set scenario.classes_per_task")
+            raise PartitionError(
+                f"{num_classes} classes do not split evenly into {cfg.num_tasks} tasks; set scenario.classes_per_task"
+            )
         counts = [num_classes // cfg.num_tasks] * cfg.num_tasks
     elif isinstance(cpt, int):
         counts = [cpt] * cfg.num_tasks
     else:
         counts = list(cpt)
         if len(counts) != cfg.num_tasks:
-            raise PartitionError(f"scenario.classes_per_task lists {len(counts)} tasks but num_tasks is "
-                                 f"{cfg.num_tasks}")
+            raise PartitionError(
+                f"scenario.classes_per_task lists {len(counts)} tasks but num_tasks is {cfg.num_tasks}"
+            )
     if sum(counts) > num_classes:
-        raise PartitionError(f"tasks need {sum(counts)} classes but the dataset has {num_classes}; lower "
-                             "scenario.num_tasks or scenario.classes_per_task")
+        raise PartitionError(
+            f"tasks need {sum(counts)} classes but the dataset has {num_classes}; lower "
+            "scenario.num_tasks or scenario.classes_per_task"
+        )
     return counts
 
 
@@ -137,30 +141,42 @@ def draw_participants(cfg: ScenarioConfig, seed: int) -> list[list[list[int]]]:
             chosen = sorted(numpy_rng(seed, "participants", t).choice(m, size=k, replace=False).tolist())
             out.append([chosen] * cfg.rounds_per_task)
         else:
-            out.append([sorted(numpy_rng(seed, "participants", t, r).choice(m, size=k, replace=False).tolist())
-                        for r in range(cfg.rounds_per_task)])
+            out.append(
+                [
+                    sorted(numpy_rng(seed, "participants", t, r).choice(m, size=k, replace=False).tolist())
+                    for r in range(cfg.rounds_per_task)
+                ]
+            )
     return out
 
 
-def build_class_incremental(cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray,
-                            num_classes: int, seed: int) -> Scenario:
+def build_class_incremental(
+    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
+) -> Scenario:
     """Class-incremental scenario: disjoint class sets per task, each task's samples split over clients."""
     counts = task_class_counts(cfg, num_classes)
     order = class_order(cfg, num_classes, seed)
     tasks, offset = [], 0
     for n in counts:
-        tasks.append(order[offset:offset + n])
+        tasks.append(order[offset : offset + n])
         offset += n
     client_train, test_idx = [], []
     for t, classes in enumerate(tasks):
         pos = np.flatnonzero(np.isin(train_targets, classes))
         rng = numpy_rng(seed, "partition", t)
         if cfg.partition.kind == "dirichlet":
-            parts = dirichlet_partition(train_targets[pos], cfg.num_clients, cfg.partition.beta, rng,
-                                        cfg.partition.min_samples, cfg.partition.max_retries)
+            parts = dirichlet_partition(
+                train_targets[pos],
+                cfg.num_clients,
+                cfg.partition.beta,
+                rng,
+                cfg.partition.min_samples,
+                cfg.partition.max_retries,
+            )
         else:
             parts = iid_partition(train_targets[pos], cfg.num_clients, rng, cfg.partition.min_samples)
         client_train.append([pos[p] for p in parts])
         test_idx.append(np.flatnonzero(np.isin(test_targets, classes)))
-    return Scenario(seed, num_classes, order[:offset], tasks, client_train, test_idx, draw_participants(cfg, seed),
-                    cfg.num_clients)
+    return Scenario(
+        seed, num_classes, order[:offset], tasks, client_train, test_idx, draw_participants(cfg, seed), cfg.num_clients
+    )

@@ -47,15 +47,25 @@ def masked_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mas
     return F.cross_entropy(masked_logits(model(x), mask), y)
 
 
-def train_local(model: nn.Module, data: LabeledSubset, p: LocalTrainingParams, mask: torch.Tensor,
-                transform: ImageTransform, generator: torch.Generator, device: torch.device,
-                loss_fn: LossFn = masked_cross_entropy) -> dict[str, float]:
+def train_local(
+    model: nn.Module,
+    data: LabeledSubset,
+    p: LocalTrainingParams,
+    mask: torch.Tensor,
+    transform: ImageTransform,
+    generator: torch.Generator,
+    device: torch.device,
+    loss_fn: LossFn = masked_cross_entropy,
+) -> dict[str, float]:
     """`p.local_epochs` epochs of minibatch training on `data`; returns mean loss and counts."""
     params = [q for q in model.parameters() if q.requires_grad]
     opt = make_optimizer(p, params)
     steps_per_epoch = math.ceil(len(data) / p.batch_size)
-    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p.local_epochs * steps_per_epoch)
-             if p.lr_schedule == "cosine" else None)
+    sched = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p.local_epochs * steps_per_epoch)
+        if p.lr_schedule == "cosine"
+        else None
+    )
     model.train()
     mask = mask.to(device)
     total, steps = 0.0, 0
