@@ -1,7 +1,7 @@
 """Shared building blocks for FedAvg-style methods: a supervised client and a weighted-averaging server.
 
-Most methods are small deltas over these two: override `loss` (extra regularisers), `upload`
-(statistics beside the parameters) or `aggregate` / `after_aggregate` (server-side steps).
+Most methods are small deltas over these two: override `loss_fn` (extra regularisers, possibly using what the
+server sent), `reply` (statistics beside the parameters) or `aggregate` / `run_round` (server-side steps).
 """
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
 from promptfcl.seeding import seed_everything, torch_generator
-from promptfcl.training.local import LocalTrainingParams, masked_cross_entropy, train_local
+from promptfcl.training.local import (
+    LocalTrainingParams,
+    LossFn,
+    make_optimizer,
+    masked_cross_entropy,
+    optimizer_tensors,
+    restore_optimizer,
+    train_local,
+)
 
 
 class FedAvgParams(LocalTrainingParams):
@@ -25,9 +33,10 @@ class FedAvgParams(LocalTrainingParams):
 
 
 class SupervisedClient(ClientProgram):
-    """Loads the server's parameters, trains on the current task with masked CE, returns its parameters."""
+    """Loads the server's parameters, trains on the current task with masked CE, returns its parameters.
 
-    loss = staticmethod(masked_cross_entropy)
+    Tensors in the server's message that are not model parameters (e.g. prototypes) are left for `loss_fn`.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -44,32 +53,42 @@ class SupervisedClient(ClientProgram):
         if message.kind != "train":
             raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
         model = self.model
-        model.set_state(message.tensors)
-        stats = self.train(model, ctx)
-        return Message(
-            model.get_state(),
-            {"num_samples": len(ctx.train_data), "loss": stats["loss"], **self.upload_scalars(model, ctx)},
-            kind="train_reply",
-        )
+        model.set_state({k: message.tensors[k] for k in model.state_dict()})
+        stats = self.train(model, ctx, message)
+        return self.reply(model, ctx, stats)
 
-    def train(self, model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
+    def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
+        """The training loss for this message (default: CE over the allowed logits)."""
+        return masked_cross_entropy
+
+    def train(self, model: torch.nn.Module, ctx: ClientContext, message: Message) -> dict[str, float]:
         p = self.params
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
-        mask = self.env.label_space.train_mask(ctx.task, p.train_logits)
-        return train_local(
+        opt = None
+        if p.optimizer_reset == "never":
+            opt = make_optimizer(p, [q for q in model.parameters() if q.requires_grad])
+            restore_optimizer(opt, ctx.state.tensors)
+        stats = train_local(
             model,
             ctx.train_data,
             p,
-            mask,
+            self.env.label_space.train_mask(ctx.task, p.train_logits),
             self.env.train_transform(p.augment),
             torch_generator(ctx.seed, "local"),
             ctx.device,
-            self.loss,
+            self.loss_fn(message, ctx),
+            opt,
         )
+        if opt is not None:
+            ctx.state.tensors.update(optimizer_tensors(opt))
+        return stats
 
-    def upload_scalars(self, model: torch.nn.Module, ctx: ClientContext) -> dict:
-        return {}
+    def reply(self, model: torch.nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
+        """The upload: trained parameters, sample count and loss (methods add statistics here)."""
+        return Message(
+            model.get_state(), {"num_samples": len(ctx.train_data), "loss": stats["loss"]}, kind="train_reply"
+        )
 
 
 class FedAvgServer(ServerProgram):
@@ -81,18 +100,29 @@ class FedAvgServer(ServerProgram):
         self.model = self.new_model()
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        replies = grid.broadcast(info.participants, Message(self.model.get_state(), kind="train"))
+        replies = grid.broadcast(info.participants, self.downlink(info))
         usable = {c: r for c, r in replies.items() if r.scalars.get("num_samples", 0) > 0}
+        losses = [r.scalars["loss"] for r in usable.values()]
+        metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
         if usable:
             self.aggregate(usable)
-        losses = [r.scalars["loss"] for r in usable.values()]
-        return {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
+            metrics.update(self.after_aggregate(usable, info))
+        return metrics
+
+    def downlink(self, info: RoundInfo) -> Message:
+        """What every participant receives this round (default: the global trainable state)."""
+        return Message(self.model.get_state(), kind="train")
+
+    def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
+        """Server-side steps after averaging (statistics, rebalancing, distillation); returns extra metrics."""
+        return {}
 
     def aggregate(self, replies: dict[int, Message]) -> None:
         weights = None
         if self.params.weighting == "samples":
             weights = [r.scalars["num_samples"] for r in replies.values()]
-        self.model.set_state(weighted_mean([r.tensors for r in replies.values()], weights))
+        names = self.model.state_dict().keys()  # replies may carry statistics beside the parameters
+        self.model.set_state(weighted_mean([{k: r.tensors[k] for k in names} for r in replies.values()], weights))
 
     def global_model(self) -> torch.nn.Module:
         return self.model

@@ -28,7 +28,9 @@ from promptfcl.prompts.prefix import PrefixPrompt
 class FedAvgPromptParams(FedAvgParams):
     """Prefix-prompt shape on top of local-training and FedAvg settings."""
 
-    length: int = Field(20, gt=0, description="prefix tokens per layer, split half keys / half values")
+    length: int = Field(
+        20, ge=0, description="prefix tokens per layer, split half keys / half values; 0: no prompt (head only)"
+    )
     layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
     prompt_init: Literal["zeros", "uniform"] = "zeros"
 
@@ -36,7 +38,7 @@ class FedAvgPromptParams(FedAvgParams):
 def build_model(env: MethodEnv, p: FedAvgPromptParams) -> PromptedClassifier:
     if any(not 0 <= layer < env.backbone.num_layers for layer in p.layers):
         raise ValueError(f"method.layers {p.layers} outside the backbone's 0..{env.backbone.num_layers - 1}")
-    prompt = PrefixPrompt(env.backbone.embed_dim, p.layers, p.length, p.prompt_init)
+    prompt = PrefixPrompt(env.backbone.embed_dim, p.layers, p.length, p.prompt_init) if p.length else None
     return PromptedClassifier(env.backbone, env.label_space.num_logits, prompt)
 
 

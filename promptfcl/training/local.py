@@ -30,6 +30,9 @@ class LocalTrainingParams(BaseModel):
     grad_clip: float | None = Field(1.0, gt=0)
     augment: Augment = "flip"
     train_logits: TrainLogits = "current_task"
+    optimizer_reset: Literal["round", "never"] = Field(
+        "round", description="new optimizer every round, or keep its state in the client's state across rounds"
+    )
 
 
 def make_optimizer(p: LocalTrainingParams, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -37,6 +40,31 @@ def make_optimizer(p: LocalTrainingParams, params: list[nn.Parameter]) -> torch.
         return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
     cls = torch.optim.AdamW if p.optimizer == "adamw" else torch.optim.Adam
     return cls(params, lr=p.lr, weight_decay=p.weight_decay)
+
+
+OPTIM_PREFIX = "optim/"
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as named tensors (`optim/<param index>/<name>`), for a Record."""
+    out = {}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"{OPTIM_PREFIX}{i}/{k}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """Load state saved by `optimizer_tensors` (hyper-parameters stay those `opt` was built with)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, v in tensors.items():
+        if name.startswith(OPTIM_PREFIX):
+            i, k = name[len(OPTIM_PREFIX) :].split("/", 1)
+            state.setdefault(int(i), {})[k] = v.clone()
+    if state:
+        sd = opt.state_dict()
+        sd["state"] = state
+        opt.load_state_dict(sd)
 
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,10 +84,14 @@ def train_local(
     generator: torch.Generator,
     device: torch.device,
     loss_fn: LossFn = masked_cross_entropy,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
-    """`p.local_epochs` epochs of minibatch training on `data`; returns mean loss and counts."""
+    """`p.local_epochs` epochs of minibatch training on `data`; returns mean loss and counts.
+
+    A fresh optimizer is made from `p` unless `optimizer` (e.g. one restored from the client's state) is given.
+    """
     params = [q for q in model.parameters() if q.requires_grad]
-    opt = make_optimizer(p, params)
+    opt = optimizer if optimizer is not None else make_optimizer(p, params)
     steps_per_epoch = math.ceil(len(data) / p.batch_size)
     sched = (
         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=p.local_epochs * steps_per_epoch)

@@ -1,0 +1,115 @@
+"""Shared programs for methods that retrain the head on features sampled from client class Gaussians.
+
+Client (HGP §3.2, CCVR §4.1): train as FedAvg, then compute per-class (count, mean, spread) of the trained
+model's features on the local training data and upload them beside the parameters. Server (HGP §3.3, CCVR
+§4.2): FedAvg the parameters, replace the current task's Gaussian components with this round's, keep older
+tasks' components as they were at the end of their task, then retrain only the head on features drawn from
+the components of the chosen classes. HGP and CCVR differ only in their settings (one component per client
+and class vs one pooled Gaussian per class; variance inflation; logit normalisation; covariance kind).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.federation.message import Message, Record
+from promptfcl.federation.protocol import ClientContext, RoundInfo
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.fedavg_prompt import FedAvgPromptParams
+from promptfcl.seeding import torch_generator
+from promptfcl.statistics import GaussianComponents, MixtureSampler, class_statistics, pooled, uploaded_statistics
+from promptfcl.statistics.mixture import ClassWeights
+from promptfcl.training.head_calibration import CalibrationParams, calibrate_head
+
+RebalanceClasses = Literal["all", "current", "old", "none"]
+
+
+class ClassGaussianParams(FedAvgPromptParams):
+    """Statistics, mixture and head-retraining settings shared by HGP and CCVR."""
+
+    covariance: Literal["diag", "full"] = "diag"
+    components: Literal["per_client", "pooled"] = Field(
+        "per_client", description="one Gaussian per (client, class) (HGP) or one pooled Gaussian per class (CCVR)"
+    )
+    stats_images: Literal["normalized", "raw"] = Field(
+        "normalized", description="statistics on eval-transformed images, or unnormalised [0,1] images (HGP code)"
+    )
+    class_weights: ClassWeights = "counts"
+    variance_scale: float = Field(1.0, gt=0, description="spread multiplier before sampling")
+    variance_eps: float = Field(1e-8, ge=0)
+    rebalance: RebalanceClasses = Field(
+        "all", description="classes sampled when retraining the head: all seen, current task, old tasks, none"
+    )
+    calibration: CalibrationParams = Field(default_factory=CalibrationParams)
+
+
+class ClassGaussianClient(SupervisedClient):
+    """FedAvg client that also uploads per-class feature statistics (≥ 2 samples per class)."""
+
+    def stats_transform(self) -> ImageTransform:
+        t = self.env.eval_transform
+        if self.params.stats_images == "raw":
+            from dataclasses import replace
+
+            t = replace(t, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+        return t
+
+    def reply(self, model: torch.nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
+        msg = super().reply(model, ctx, stats)
+        if len(ctx.train_data):
+            st = class_statistics(
+                model.features, ctx.train_data, self.stats_transform(), ctx.device, self.params.covariance, 2
+            )
+            msg.tensors.update(st.to_tensors())
+        return msg
+
+
+class ClassGaussianServer(FedAvgServer):
+    """FedAvg, then per-round head retraining on features sampled from the stored class Gaussians."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.components = GaussianComponents.empty(self.env.backbone.embed_dim, self.params.covariance == "full")
+
+    def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
+        stats = uploaded_statistics(replies)
+        if self.params.components == "pooled" and stats:
+            stats = [pooled(stats)]
+        self.components = self.components.replace_task(info.task, stats)
+        return self.rebalance(info.task, torch_generator(self.env.seed, "rebalance", info.task, info.round))
+
+    def rebalance_classes(self, task: int) -> torch.Tensor:
+        """Logit ids whose Gaussians are sampled (the CR_cur / CR_old ablations restrict these)."""
+        which = self.params.rebalance
+        comps = self.components
+        if which == "current":
+            return torch.unique(comps.cls[comps.task == task])
+        if which == "old":
+            return torch.unique(comps.cls[comps.task < task])
+        if which == "all":
+            return torch.unique(comps.cls[comps.task <= task])
+        return torch.zeros(0, dtype=torch.long)
+
+    def calibration_params(self) -> CalibrationParams:
+        return self.params.calibration
+
+    def rebalance(self, task: int, gen: torch.Generator) -> dict[str, float]:
+        """Retrain the head on sampled features of the chosen classes (no-op when there are none)."""
+        classes = self.rebalance_classes(task)
+        if len(classes) == 0:
+            return {}
+        p = self.params
+        sampler = MixtureSampler(self.components, classes, p.class_weights, p.variance_scale, p.variance_eps)
+        seen = torch.arange(self.env.label_space.seen_logits(task))
+        return calibrate_head(self.model.head, sampler, seen, self.calibration_params(), gen, self.env.device)
+
+    def state(self) -> Record:
+        return Record({**self.model.get_state(), **self.components.to_tensors("gmm/")})
+
+    def load_state(self, state: Record) -> None:
+        self.model.set_state({k: v for k, v in state.tensors.items() if not k.startswith("gmm/")})
+        self.components = GaussianComponents.from_tensors(state.tensors, "gmm/")

@@ -1,0 +1,192 @@
+"""HGP, CCVR and FedProto: the behaviour that defines each, on small synthetic federations."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.experiment import Experiment
+from promptfcl.federation.inprocess import InProcessGrid
+from promptfcl.federation.message import Message
+from promptfcl.methods.fedproto import PrototypeClassifier
+from promptfcl.runtime import Runtime
+from promptfcl.scenario.label_space import masked_logits
+from promptfcl.seeding import torch_generator
+from promptfcl.statistics import ClassStatistics, pooled
+
+from .conftest import tiny_config
+
+pytestmark = pytest.mark.slow
+
+SKEWED = {
+    "data": {
+        "options": {"num_classes": 12, "train_per_class": 40, "test_per_class": 20, "noise": 0.15, "max_shift": 4}
+    },
+    "scenario": {"num_tasks": 3, "num_clients": 4, "rounds_per_task": 2, "partition": {"beta": 0.05, "min_samples": 2}},
+}
+
+
+def method(name: str, **kw) -> dict:
+    return {"name": name, "length": 4, "layers": [0, 1], "local_epochs": 2, "batch_size": 16, "lr": 0.01, **kw}
+
+
+class RecordingGrid(InProcessGrid):
+    """The in-process engine, keeping every message it carried in both directions."""
+
+    def __init__(self, rt: Runtime) -> None:
+        super().__init__(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device)
+        self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
+
+    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        replies = super()._deliver(messages)
+        self.log.append((self.round.task, self.round.round, messages, replies))
+        return replies
+
+
+def recorded_run(cfg, run_dir) -> tuple[Experiment, list]:
+    """Run `cfg` in process and return the experiment and the log of every (task, round, sent, replies)."""
+    grids: list[RecordingGrid] = []
+
+    def factory(rt: Runtime) -> RecordingGrid:
+        grids.append(RecordingGrid(rt))
+        return grids[0]
+
+    exp = Experiment(cfg, run_dir, show_progress=False, grid_factory=factory)
+    exp.run()
+    return exp, grids[0].log
+
+
+def prediction_bias(exp: Experiment, model: torch.nn.Module, after_task: int) -> tuple[float, float]:
+    """(normalised entropy of the prediction histogram on the balanced test set, accuracy on old tasks)."""
+    space = exp.scenario.label_space
+    mask = space.eval_mask(0, after_task)
+    preds, ys = [], []
+    with torch.no_grad():
+        for t in range(after_task + 1):
+            for x, y in exp.evaluator.subsets[t].batches(64, exp.evaluator.transform):
+                preds.append(masked_logits(model(x), mask).argmax(1))
+                ys.append(y)
+    p, y = torch.cat(preds), torch.cat(ys)
+    n = space.seen_logits(after_task)
+    q = torch.bincount(p, minlength=n).double() / len(p)
+    entropy = float(-(q[q > 0] * q[q > 0].log()).sum() / math.log(n))
+    old = y < space.tasks[after_task].logits[0]
+    return entropy, float((p[old] == y[old]).double().mean())
+
+
+def test_rebalancing_removes_the_bias_toward_recent_and_local_classes(tmp_path) -> None:
+    """β = 0.05: the FedAvg'd head favours the last task; HGP's rebalancing spreads predictions, lifts old tasks."""
+    cfg = tiny_config(**SKEWED, method=method("hgp", rebalance="none"))
+    exp = Experiment(cfg, tmp_path / "run", show_progress=False)
+    exp.run()
+    model = exp.server.global_model()
+    ent_before, old_before = prediction_bias(exp, model, 2)
+    exp.server.params = exp.server.params.model_copy(update={"rebalance": "all"})
+    exp.server.rebalance(2, torch_generator(0, "test"))
+    ent_after, old_after = prediction_bias(exp, model, 2)
+    assert ent_after > ent_before + 0.2, (ent_before, ent_after)
+    assert old_after > old_before + 0.2, (old_before, old_after)
+
+
+def test_hgp_beats_its_prompt_only_ablation_under_strong_skew(tmp_path) -> None:
+    faa = {}
+    for rebalance in ("none", "all"):
+        cfg = tiny_config(**SKEWED, method=method("hgp", rebalance=rebalance))
+        faa[rebalance] = Experiment(cfg, tmp_path / rebalance, show_progress=False).run()["summary"]["faa"]
+    assert faa["all"] > faa["none"] + 15, faa
+
+
+def test_server_receives_only_parameters_and_class_statistics(tmp_path) -> None:
+    exp, log = recorded_run(tiny_config(method=method("hgp")), tmp_path / "run")
+    params = set(exp.server.model.state_dict())
+    d = exp.env.backbone.embed_dim
+    targets = exp.dataset.train.targets
+    for task, _, _, replies in log:
+        for cid, reply in replies.items():
+            stats_names = {n for n in reply.tensors if n not in params}
+            assert stats_names == {"stats/classes", "stats/counts", "stats/means", "stats/spread"}
+            assert set(reply.scalars) == {"num_samples", "loss"}
+            s = ClassStatistics.from_tensors(reply.tensors)
+            # exactly the client's classes with >= 2 samples, their true counts, one d-vector each
+            idx = exp.scenario.client_indices(task, cid)
+            logits = exp.scenario.label_space.to_logits(targets[torch.as_tensor(idx)])
+            classes, counts = torch.unique(logits, return_counts=True)
+            assert s.classes.tolist() == classes[counts >= 2].tolist()
+            assert s.counts.tolist() == counts[counts >= 2].tolist()
+            assert s.means.shape == (len(s), d) and s.spread.shape == (len(s), d)
+            assert (s.spread >= 0).all()
+
+
+def test_rebalance_none_is_fedavg_prompt(tmp_path) -> None:
+    a = Experiment(tiny_config(method=method("fedavg_prompt")), tmp_path / "a", show_progress=False).run()
+    b = Experiment(tiny_config(method=method("hgp", rebalance="none")), tmp_path / "b", show_progress=False).run()
+    assert a["accuracy_matrix"] == b["accuracy_matrix"]
+
+
+def test_hgp_server_state_round_trips(tmp_path) -> None:
+    exp = Experiment(tiny_config(method=method("hgp")), tmp_path / "run", show_progress=False)
+    exp.run()
+    server2 = exp.runtime.programs()[0]
+    server2.load_state(exp.server.state())
+    assert len(server2.components) == len(exp.server.components) > 0
+    for k, v in exp.server.state().tensors.items():
+        assert torch.equal(server2.state().tensors[k], v), k
+
+
+def test_kept_optimizer_state_lives_in_the_client_state(tmp_path) -> None:
+    exp = Experiment(tiny_config(method=method("hgp", optimizer_reset="never")), tmp_path / "k", show_progress=False)
+    exp.run()
+    names = [n for n in exp.grid.states[0].tensors if n.startswith("optim/")]
+    assert any(n.endswith("exp_avg") for n in names)
+    steps = [float(v) for n, v in exp.grid.states[0].tensors.items() if n.endswith("/step")]
+    assert steps and min(steps) > 2 * 2  # accumulated over several rounds, not reset every round
+    reset = Experiment(tiny_config(method=method("hgp")), tmp_path / "r", show_progress=False)
+    reset.run()
+    assert not any(n.startswith("optim/") for n in reset.grid.states[0].tensors)
+
+
+def test_ccvr_pools_client_gaussians_into_one_per_class(tmp_path) -> None:
+    exp, log = recorded_run(tiny_config(method=method("ccvr", covariance="diag")), tmp_path / "run")
+    last_task = exp.scenario.label_space.num_tasks - 1
+    replies = [r for t, _, _, rs in log if t == last_task for r in rs.values()][-3:]
+    expect = pooled([ClassStatistics.from_tensors(r.tensors) for r in replies])
+    comps = exp.server.components
+    cur = comps.task == last_task
+    assert comps.cls[cur].tolist() == expect.classes.tolist()  # one component per class, not per client
+    assert torch.allclose(comps.mean[cur], expect.means) and torch.allclose(comps.spread[cur], expect.spread)
+
+
+def test_fedproto_prototypes_regularise_and_classify(tmp_path) -> None:
+    exp, log = recorded_run(tiny_config(method=method("fedproto")), tmp_path / "run")
+    # round 0 of a task carries no prototypes of its classes; round 1 carries the count-weighted means of round 0
+    first_rounds = [next(iter(msgs.values())) for _, r, msgs, _ in log if r == 0]
+    assert all(len(m.tensors["protos/classes"]) == 0 for m in first_rounds)
+    t, r, msgs, _ = log[1]
+    sent = next(iter(msgs.values())).tensors
+    expect = pooled([ClassStatistics.from_tensors(x.tensors) for x in log[0][3].values()])
+    assert sent["protos/classes"].tolist() == expect.classes.tolist()
+    assert torch.allclose(sent["protos/means"], expect.means)
+    # the regulariser is active: the loss with prototypes differs from plain CE on the same batch
+    client = exp.client
+    ctx_msg = Message(dict(sent), {"task": 0, "round": 1}, kind="train")
+    model = client.model
+    model.set_state({k: sent[k] for k in model.state_dict()})
+    data = exp.runtime.scenario.client_indices(0, 0)
+    sub = LabeledSubset.of(exp.dataset.train, data, exp.scenario.label_space.class_to_logit)
+    x, y = next(sub.batches(16, exp.env.eval_transform))
+    mask = exp.scenario.label_space.train_mask(0, "current_task")
+    ctx = SimpleNamespace(device=torch.device("cpu"))
+    with torch.no_grad():
+        with_proto = client.loss_fn(ctx_msg, ctx)(model, x, y, mask)  # type: ignore[arg-type]
+        plain = client.loss_fn(Message({}, {}, kind="train"), ctx)(model, x, y, mask)  # type: ignore[arg-type]
+    assert float(with_proto) > float(plain)
+    # inference is by nearest global prototype over the classes that have one
+    proto_model = exp.server.global_model()
+    assert isinstance(proto_model, PrototypeClassifier)
+    f = model.features(x)
+    expected = torch.cdist(f, exp.server.protos).argmin(1)
+    assert torch.equal(proto_model(x).argmax(1), expected)
