@@ -1,4 +1,4 @@
-"""Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl list`."""
+"""Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`, `promptfcl list`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,31 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study(args: argparse.Namespace) -> int:
+    from promptfcl.study import execute, load_study, plan, summarize_study
+
+    study, study_dir = load_study(args.study)
+    out = Path(args.out) if args.out else Path("results") / "studies" / study.name
+    runs = plan(study, study_dir, out)
+    todo = [r for r in runs if not r.finished]
+    console.print(
+        f"study {study.name}: {len(runs)} runs ({len(runs) - len(todo)} already finished) in {out}, "
+        f"{args.jobs} at a time"
+    )
+
+    def done(run, rc: int) -> None:  # noqa: ANN001
+        status = (
+            "[green]done[/green]"
+            if rc == 0
+            else f"[red]failed (exit {rc}), see {run.run_dir.parent}/seed{run.seed}.log[/red]"
+        )
+        console.print(f"  {run.cell} seed {run.seed}: {status}")
+
+    results = execute(runs, args.jobs, done)
+    console.print(summarize_study(study, runs, out))
+    return 1 if any(rc != 0 for _, rc in results) else 0
+
+
 def _list(args: argparse.Namespace) -> int:
     import timm
 
@@ -77,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
     run.set_defaults(func=_run)
+    st = sub.add_parser("study", help="run every cell x seed of a study file and write the comparison table")
+    st.add_argument("study", help="study YAML (base config, seeds, cells)")
+    st.add_argument("--out", help="study directory (default: results/studies/NAME)")
+    st.add_argument("--jobs", type=int, default=1, help="runs at once (CPU threads are split between them)")
+    st.set_defaults(func=_study)
     ls = sub.add_parser("list", help="list methods, datasets and backbones")
     ls.set_defaults(func=_list)
     return p
