@@ -42,12 +42,20 @@ class DataConfig(StrictModel):
 
 
 class PartitionConfig(StrictModel):
-    """How each task's training samples are split over clients."""
+    """How each task's training samples are split over clients.
 
-    kind: Literal["dirichlet", "iid"] = "dirichlet"
+    `dirichlet` / `iid`: a fixed split of every task over `num_clients` clients. `hepco`: every round draws
+    `num_clients` new stateless clients, each with a κ fraction of the task's classes, a γ fraction of each kept
+    class's images (overlap allowed) and a long-tail profile of ratio `imbalance` (HePCo §5.1).
+    """
+
+    kind: Literal["dirichlet", "iid", "hepco"] = "dirichlet"
     beta: float = Field(0.5, gt=0, description="Dirichlet concentration; smaller = more label skew")
     min_samples: int = Field(6, ge=0, description="redraw a task's split until every client has this many")
     max_retries: int = Field(10000, gt=0)
+    category_ratio: float = Field(0.6, gt=0, le=1, description="hepco κ: fraction of the task's classes per client")
+    split_ratio: float = Field(0.1, gt=0, le=1, description="hepco γ: fraction of a kept class's images per client")
+    imbalance: float = Field(1.0, gt=0, le=1, description="hepco β: tail/head ratio of a client's class counts")
 
 
 class ParticipationConfig(StrictModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -57,3 +59,29 @@ def iid_partition(
         )
     perm = rng.permutation(len(labels))
     return [np.sort(part) for part in np.array_split(perm, num_clients)]
+
+
+def hepco_client_sample(
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    category_ratio: float,
+    split_ratio: float,
+    imbalance: float,
+) -> np.ndarray:
+    """One stateless HePCo client's data for one round (HePCo §5.1; code `dataloaders/utils.py`).
+
+    κ (`category_ratio`): keep a random max(1, round(κ·k)) of the task's k classes. γ (`split_ratio`): from each
+    kept class draw round(γ·n_c) of its n_c images, independently of other clients (clients may overlap).
+    β (`imbalance`): a long-tail profile over the kept classes in a random order, class j keeping
+    ⌈γ·n_c·β^(j/(k'−1))⌉ images — **applied to the data** (the official code computes it but never applies it,
+    while reporting its counts to the server). Returns sorted positions into `labels`.
+    """
+    classes = np.unique(labels)
+    keep = rng.permutation(classes)[: max(1, round(category_ratio * len(classes)))]
+    chosen = []
+    for j, c in enumerate(keep):
+        pool = np.flatnonzero(labels == c)
+        factor = imbalance ** (j / (len(keep) - 1)) if len(keep) > 1 else 1.0
+        n = max(1, math.ceil(round(split_ratio * len(pool)) * factor))
+        chosen.append(rng.choice(pool, size=min(n, len(pool)), replace=False))
+    return np.sort(np.concatenate(chosen))

@@ -17,7 +17,7 @@ import numpy as np
 
 from promptfcl.config import ScenarioConfig
 from promptfcl.scenario.label_space import LabelSpace
-from promptfcl.scenario.partition import PartitionError, dirichlet_partition, iid_partition
+from promptfcl.scenario.partition import PartitionError, dirichlet_partition, hepco_client_sample, iid_partition
 from promptfcl.seeding import numpy_rng
 
 
@@ -160,6 +160,8 @@ def build_class_incremental(
     for n in counts:
         tasks.append(order[offset : offset + n])
         offset += n
+    if cfg.partition.kind == "hepco":
+        return _stateless_rounds(cfg, train_targets, test_targets, num_classes, seed, order[:offset], tasks)
     client_train, test_idx = [], []
     for t, classes in enumerate(tasks):
         pos = np.flatnonzero(np.isin(train_targets, classes))
@@ -180,3 +182,37 @@ def build_class_incremental(
     return Scenario(
         seed, num_classes, order[:offset], tasks, client_train, test_idx, draw_participants(cfg, seed), cfg.num_clients
     )
+
+
+def _stateless_rounds(
+    cfg: ScenarioConfig,
+    train_targets: np.ndarray,
+    test_targets: np.ndarray,
+    num_classes: int,
+    seed: int,
+    order: list[int],
+    tasks: list[list[int]],
+) -> Scenario:
+    """HePCo: `num_clients` fresh clients per round; client slot r·K + k is round r's k-th client of every task."""
+    k, rounds = cfg.num_clients, cfg.rounds_per_task
+    p = cfg.partition
+    client_train, test_idx = [], []
+    for t, classes in enumerate(tasks):
+        pos = np.flatnonzero(np.isin(train_targets, classes))
+        client_train.append(
+            [
+                pos[
+                    hepco_client_sample(
+                        train_targets[pos],
+                        numpy_rng(seed, "hepco", t, slot),
+                        p.category_ratio,
+                        p.split_ratio,
+                        p.imbalance,
+                    )
+                ]
+                for slot in range(rounds * k)
+            ]
+        )
+        test_idx.append(np.flatnonzero(np.isin(test_targets, classes)))
+    participants = [[list(range(r * k, (r + 1) * k)) for r in range(rounds)] for _ in tasks]
+    return Scenario(seed, num_classes, order, tasks, client_train, test_idx, participants, rounds * k)
