@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +115,24 @@ def test_label_space_masks() -> None:
     assert space.eval_mask(0, 1, "task_aware").tolist() == [True, True, False, False, False]
     with pytest.raises(ValueError, match="no task"):
         space.to_logits(torch.tensor([5]))
+
+
+@pytest.mark.parametrize("imbalance", [1.0, 0.1])
+def test_hepco_clients_follow_kappa_gamma_and_the_applied_long_tail(imbalance: float) -> None:
+    """Every round draws new clients: round(κ·k) classes, γ of each class's images, a β profile over them."""
+    y_train, y_test = labels(20, 100), labels(20, 10)
+    part = {"kind": "hepco", "category_ratio": 0.6, "split_ratio": 0.1, "imbalance": imbalance}
+    cfg = ScenarioConfig(num_tasks=2, num_clients=5, rounds_per_task=3, partition=part)
+    s = build_class_incremental(cfg, y_train, y_test, 20, seed=3)
+    assert s.num_clients == 15 and s.participants[1] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    expected = sorted((math.ceil(10 * imbalance ** (j / 5)) for j in range(6)), reverse=True)
+    class_sets = set()
+    for t in range(2):
+        for k in range(15):
+            counts = np.unique(y_train[s.client_indices(t, k)], return_counts=True)
+            assert set(counts[0]) <= set(s.task_classes[t])
+            assert sorted(counts[1].tolist(), reverse=True) == expected  # 6 of 10 classes, 10 images at the head
+            class_sets.add(tuple(counts[0]))
+    assert len(class_sets) > 10  # clients differ
+    again = build_class_incremental(cfg, y_train, y_test, 20, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(s.client_train[1], again.client_train[1], strict=True))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from promptfcl.backbones.prompt_spec import PromptSpec
+from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.config import BackboneConfig
 
 
@@ -66,6 +67,7 @@ class FrozenViT(nn.Module):
         self.vit = vit.eval()
         for p in self.vit.parameters():
             p.requires_grad_(False)
+        self.query_cache: QueryCache | None = None  # set by pool methods that opt in (`enable_query_cache`)
 
     @property
     def embed_dim(self) -> int:
@@ -112,8 +114,17 @@ class FrozenViT(nn.Module):
 
     @torch.no_grad()
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        """q(x): the unprompted feature, the query of pool-based prompt methods."""
+        """q(x): the unprompted feature, the query of pool-based prompt methods (cached when enabled)."""
+        if self.query_cache is not None:
+            return self.query_cache(x, self.forward)
         return self.forward(x, None)
+
+    def enable_query_cache(self, on: bool = True) -> None:
+        """Share one query cache among every model on this backbone (idempotent), or drop it."""
+        if not on:
+            self.query_cache = None
+        elif self.query_cache is None:
+            self.query_cache = QueryCache()
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:

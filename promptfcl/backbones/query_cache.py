@@ -1,0 +1,48 @@
+"""A content-addressed cache of the unprompted query q(x) = frozen ViT(x) without prompts.
+
+Pool methods (L2P, DualPrompt, CODA-P, HePCo's weighted pool, FedMGP) need q(x) for every image at every step;
+the backbone is frozen, so q is a pure function of the transformed input. The cache keys each sample by a hash
+of its exact input tensor: a repeated image under the same deterministic transform (no augmentation, or the
+same flip) is a hit across epochs, rounds, clients and evaluation; a randomly cropped image is a new key, so
+with `crop_flip` augmentation the cache only costs memory — configs turn it off there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+
+
+class QueryCache:
+    """Maps input-content hashes to query vectors (kept on the CPU), up to `max_entries` entries."""
+
+    def __init__(self, max_entries: int = 500_000) -> None:
+        self.max_entries = max_entries
+        self.store: dict[bytes, torch.Tensor] = {}
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def keys(x: torch.Tensor) -> list[bytes]:
+        rows = x.detach().to("cpu", torch.float32).contiguous().numpy()
+        return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
+
+    def __call__(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        keys = self.keys(x)
+        missing = [i for i, k in enumerate(keys) if k not in self.store]
+        self.hits += len(keys) - len(missing)
+        self.misses += len(missing)
+        fresh = {}
+        if missing:
+            q = compute(x[missing]).detach()
+            for j, i in enumerate(missing):
+                fresh[keys[i]] = q[j]
+                if len(self.store) < self.max_entries:
+                    self.store[keys[i]] = q[j].to("cpu")
+        rows = [fresh[k] if k in fresh else self.store[k].to(x.device) for k in keys]
+        return torch.stack(rows)
+
+    def __len__(self) -> int:
+        return len(self.store)
