@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -107,23 +108,40 @@ class Federation:
 
 
 def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
+    """fedavg_prompt, then HGP (a server-side step) with client optimiser state kept across rounds."""
     from promptfcl.flower.project import write_app
 
-    raw = tiny_raw(scenario={"num_tasks": 2, "num_clients": 2, "rounds_per_task": 1})
-    cfg_file = tmp_path / "cfg.yaml"
-    cfg_file.write_text(yaml.safe_dump(raw))
-    reference = Experiment(build_config(raw), tmp_path / "inproc", show_progress=False).run()
+    base = tiny_raw(scenario={"num_tasks": 2, "num_clients": 2, "rounds_per_task": 1})
+    hgp = {"name": "hgp", "length": 4, "layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.01}
+    runs = {
+        "fedavg_prompt": base,
+        "hgp_kept_optimizer": {**base, "method": {**hgp, "optimizer_reset": "never"}},
+    }
+    references = {}
+    for name, raw in runs.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        references[name] = Experiment(build_config(raw), tmp_path / f"inproc_{name}", show_progress=False).run()
+    # the kept optimiser state matters, so equality below shows the nodes persisted it in context.state
+    Experiment(build_config({**base, "method": hgp}), tmp_path / "reset", show_progress=False).run()
+    kept = load_file(str(tmp_path / "inproc_hgp_kept_optimizer" / "checkpoint.safetensors"))
+    reset = load_file(str(tmp_path / "reset" / "checkpoint.safetensors"))
+    assert not torch.equal(kept["server/prompt.prompts"], reset["server/prompt.prompts"])
 
     app = write_app(tmp_path / "app")
     fed = Federation(tmp_path / "flwr_home", clients=2)
     try:
-        result = fed.run(app, f"config-file='{cfg_file}' run-dir='{tmp_path / 'flower_run'}'")
+        results = {
+            name: fed.run(app, f"config-file='{tmp_path / f'{name}.yaml'}' run-dir='{tmp_path / f'flower_{name}'}'")
+            for name in runs
+        }
     finally:
         fed.stop()
-    assert result["accuracy_matrix"] == reference["accuracy_matrix"]
-    assert result["communication"] == reference["communication"]  # bytes counted identically
-    ours = load_file(str(tmp_path / "flower_run" / "checkpoint.safetensors"))
-    ref = load_file(str(tmp_path / "inproc" / "checkpoint.safetensors"))
-    server_keys = [k for k in ref if k.startswith("server/")]
-    assert server_keys and all((ours[k] == ref[k]).all() for k in server_keys)  # exactly equal global parameters
+    for name, reference in references.items():
+        result = results[name]
+        assert result["accuracy_matrix"] == reference["accuracy_matrix"], name
+        assert result["communication"] == reference["communication"], name  # bytes counted identically
+        ours = load_file(str(tmp_path / f"flower_{name}" / "checkpoint.safetensors"))
+        ref = load_file(str(tmp_path / f"inproc_{name}" / "checkpoint.safetensors"))
+        server_keys = [k for k in ref if k.startswith("server/")]
+        assert server_keys and all((ours[k] == ref[k]).all() for k in server_keys), name  # equal global state
     assert all(p.poll() is not None for p in fed.procs)

@@ -101,7 +101,8 @@ class FedAvgServer(ServerProgram):
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         replies = grid.broadcast(info.participants, self.downlink(info))
-        usable = {c: r for c, r in replies.items() if r.scalars.get("num_samples", 0) > 0}
+        # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
+        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
         losses = [r.scalars["loss"] for r in usable.values()]
         metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
         if usable:

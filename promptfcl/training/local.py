@@ -26,13 +26,21 @@ class LocalTrainingParams(BaseModel):
     lr: float = Field(3e-3, gt=0)
     momentum: float = Field(0.9, ge=0)
     weight_decay: float = Field(0.0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "coda_cosine"] = Field(
+        "constant",
+        description="cosine: per step to 0; coda_cosine: per epoch lr·cos(99π·e / (200·(E−1))) (CODA-P/HePCo code)",
+    )
     grad_clip: float | None = Field(1.0, gt=0)
     augment: Augment = "flip"
     train_logits: TrainLogits = "current_task"
     optimizer_reset: Literal["round", "never"] = Field(
         "round", description="new optimizer every round, or keep its state in the client's state across rounds"
     )
+
+
+def coda_cosine_factor(epoch: int, epochs: int) -> float:
+    """CODA-P's per-epoch cosine decay, reused by HePCo: cos(99π·e / (200·(E−1))), 1 when E = 1."""
+    return 1.0 if epochs <= 1 else math.cos(99 * math.pi * epoch / (200 * (epochs - 1)))
 
 
 def make_optimizer(p: LocalTrainingParams, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -101,7 +109,10 @@ def train_local(
     model.train()
     mask = mask.to(device)
     total, steps = 0.0, 0
-    for _ in range(p.local_epochs):
+    for epoch in range(p.local_epochs):
+        if p.lr_schedule == "coda_cosine":
+            for g in opt.param_groups:
+                g["lr"] = p.lr * coda_cosine_factor(epoch, p.local_epochs)
         for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
             loss = loss_fn(model, x, y, mask)
             opt.zero_grad(set_to_none=True)
