@@ -110,8 +110,7 @@ class Experiment:
             self.progress.skip(start_task * R + start_round)
             for task in range(start_task, T):
                 first = start_round if task == start_task else 0
-                if first == 0:
-                    self.server.begin_task(task)
+                self.server.begin_task(task)  # also when resuming inside the task: begin_task is idempotent
                 for rnd in range(first, R):
                     self._run_round(task, rnd)
         return self._finish()

@@ -151,7 +151,8 @@ class ServerProgram(_Program, ABC):
     """The server side of a method: aggregation and any server-side training, one round at a time."""
 
     def begin_task(self, task: int) -> None:
-        """Called before the first round of each task."""
+        """Called before the first round of each task, and again when a run resumes inside it (so it must be
+        idempotent: a re-call after `load_state` must not change the state)."""
 
     @abstractmethod
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:

@@ -14,6 +14,7 @@ from pydantic import Field
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
+from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
 from promptfcl.training.local import (
     LocalTrainingParams,
@@ -24,6 +25,13 @@ from promptfcl.training.local import (
     restore_optimizer,
     train_local,
 )
+
+
+def set_task(model: torch.nn.Module, task: int) -> None:
+    """Tell a model's prompt pool (if any) which task it serves; a no-op for other prompts."""
+    prompt = getattr(model, "prompt", None)
+    if isinstance(prompt, PromptPool):
+        prompt.set_task(task)
 
 
 class FedAvgParams(LocalTrainingParams):
@@ -54,6 +62,7 @@ class SupervisedClient(ClientProgram):
             raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
+        set_task(model, ctx.task)
         stats = self.train(model, ctx, message)
         return self.reply(model, ctx, stats)
 
@@ -98,6 +107,11 @@ class FedAvgServer(ServerProgram):
         super().__init__(*args, **kwargs)
         seed_everything(self.env.seed, "model_init")
         self.model = self.new_model()
+
+    def begin_task(self, task: int) -> None:
+        prompt = getattr(self.model, "prompt", None)
+        if isinstance(prompt, PromptPool):
+            prompt.start_task(task)  # pools that grow per task draw the new block here, once
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         replies = grid.broadcast(info.participants, self.downlink(info))

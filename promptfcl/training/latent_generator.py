@@ -56,10 +56,6 @@ def sample_labels(histogram: torch.Tensor, n: int, gen: torch.Generator) -> torc
     return torch.multinomial(histogram.double().cpu(), n, replacement=True, generator=gen)
 
 
-def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-
-
 def train_generator(
     generator: LatentGenerator,
     teachers: Sequence[Teacher],
@@ -83,18 +79,21 @@ def train_generator(
     generator.train()
     losses = []
     device = allowed.device
+    cols = torch.nonzero(allowed).flatten()  # logits outside `allowed` are dropped, not set to -inf: the KL
+    remap = torch.full((len(allowed),), -1, dtype=torch.long, device=device)  # gradient would be NaN there
+    remap[cols] = torch.arange(len(cols), device=device)
     for _ in range(iterations):
         y = sample_labels(histogram, batch_size, gen).to(device)
         z = generator(y)
-        s_logp = F.log_softmax(masked(student_logits(z), allowed), dim=1)
+        s_logp = F.log_softmax(student_logits(z)[:, cols], dim=1)
         s_prompt = student_prompts(z)
         loss = z.new_zeros(())
         for t in teachers:
             w = t.weight.to(device)[y]
-            t_logits = masked(t.logits(z), allowed)
-            ce = F.cross_entropy(t_logits, y, reduction="none")
+            t_logits = t.logits(z)[:, cols]
+            ce = F.cross_entropy(t_logits, remap[y], reduction="none")
             t_logp = F.log_softmax(t_logits, dim=1)
-            kl = (t_logp.exp() * (t_logp - s_logp)).nan_to_num(0.0).sum(1)
+            kl = (t_logp.exp() * (t_logp - s_logp)).sum(1)
             mse = (s_prompt - t.prompts(z)).pow(2).flatten(1).sum(1)
             loss = loss + (w * (ce - lambda_kl * kl - lambda_mse * mse)).sum()
         opt.zero_grad(set_to_none=True)

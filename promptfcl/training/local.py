@@ -79,8 +79,11 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.T
 
 
 def masked_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """CE over the logits allowed by `mask` (the others set to -inf)."""
-    return F.cross_entropy(masked_logits(model(x), mask), y)
+    """CE over the logits allowed by `mask` (the others set to -inf), plus the prompt pool's auxiliary loss
+    (L2P/DualPrompt key matching, CODA-P orthogonality) when the model has one."""
+    loss = F.cross_entropy(masked_logits(model(x), mask), y)
+    aux = getattr(getattr(model, "prompt", None), "aux_loss", None)
+    return loss + aux if aux is not None and aux.requires_grad else loss
 
 
 def train_local(
