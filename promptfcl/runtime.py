@@ -189,6 +189,7 @@ class Runtime:
             backbone = shared_backbone(cfg, device)
         except BackboneError as e:
             raise ConfigError(f"backbone: {e}") from None
+        backbone.enable_query_cache(False)  # every run starts with an empty cache; pool methods opt in
         b = cfg.backbone
         eval_tf = ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
         env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed)

@@ -43,8 +43,7 @@ def pooled_model(env: MethodEnv, p: PoolTrainingParams, pool: PromptPool) -> Pro
     layers = [x for attr in ("layers", "g_layers", "e_layers") for x in getattr(pool, attr, ())]
     if any(not 0 <= layer < env.backbone.num_layers for layer in layers):
         raise ValueError(f"prompt layers {sorted(layers)} outside the backbone's 0..{env.backbone.num_layers - 1}")
-    if p.query_cache:
-        env.backbone.enable_query_cache()
+    env.backbone.enable_query_cache(p.query_cache)
     return PromptedClassifier(env.backbone, env.label_space.num_logits, pool)
 
 
