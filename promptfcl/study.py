@@ -31,11 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.config import ConfigError, StrictModel, apply_overrides, build_config, dump_config, read_yaml
+from promptfcl.config import (
+    ConfigError,
+    ExperimentConfig,
+    StrictModel,
+    apply_overrides,
+    build_config,
+    dump_config,
+    read_yaml,
+)
 
 
 class CellConfig(StrictModel):
@@ -83,28 +90,35 @@ def load_study(path: str | os.PathLike[str]) -> tuple[StudyConfig, Path]:
     return study, Path(path).resolve().parent
 
 
+def cell_config(study: StudyConfig, study_dir: Path, cell: str, seed: int) -> ExperimentConfig:
+    """The validated experiment config of one (cell, seed): base, then the cell's method and overrides."""
+    spec = study.cells[cell]
+    raw = read_yaml(study_dir / study.base)
+    if spec.method is not None:
+        raw["method"] = dict(spec.method)
+    raw = apply_overrides(raw, [*study.set, *spec.set, f"seed={seed}", f"name={study.name}_{cell}"])
+    try:
+        return build_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"study cell {cell!r} (seed {seed}): {e}") from None
+
+
 def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
     """Resolve and validate every (cell, seed) config up front; write them under `out/configs/`."""
-    base = read_yaml(study_dir / study.base)
-    runs = []
-    for cell, spec in study.cells.items():
-        for seed in study.seeds:
-            raw = yaml.safe_load(yaml.safe_dump(base))  # deep copy
-            if spec.method is not None:
-                raw["method"] = dict(spec.method)
-            raw = apply_overrides(raw, [*study.set, *spec.set, f"seed={seed}", f"name={study.name}_{cell}"])
-            try:
-                cfg = build_config(raw)
-            except ConfigError as e:
-                raise ConfigError(f"study cell {cell!r} (seed {seed}): {e}") from None
-            path = out / "configs" / f"{cell}_seed{seed}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(dump_config(cfg))
-            runs.append(StudyRun(cell, seed, path, out / cell / f"seed{seed}"))
     from promptfcl.runtime import check_config
 
-    for r in runs:  # registries, data files, method parameters: fail before anything runs
-        check_config(build_config(read_yaml(r.config_path)))
+    configs = {(c, s): cell_config(study, study_dir, c, s) for c in study.cells for s in study.seeds}
+    for (cell, seed), cfg in configs.items():  # registries, data files, method parameters: before anything runs
+        try:
+            check_config(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"study cell {cell!r} (seed {seed}): {e}") from None
+    runs = []
+    for (cell, seed), cfg in configs.items():
+        path = out / "configs" / f"{cell}_seed{seed}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump_config(cfg))
+        runs.append(StudyRun(cell, seed, path, out / cell / f"seed{seed}"))
     return runs
 
 

@@ -101,3 +101,24 @@ def test_cli_list_shows_registries(capsys) -> None:
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fedavg_prompt" in out and "cifar100" in out and "vit_base_patch16_224" in out
+
+
+def test_every_shipped_config_and_study_validates(monkeypatch) -> None:
+    """Presets must not drift from the schema: every YAML under configs/ and every study cell validates."""
+    from pathlib import Path
+
+    from promptfcl.config import load_config
+    from promptfcl.runtime import resolve_method
+    from promptfcl.study import cell_config, load_study
+
+    monkeypatch.setenv("PROMPTFCL_ASSETS", "/assets")
+    monkeypatch.setenv("PROMPTFCL_DATA", "/data")
+    root = Path(__file__).resolve().parents[1]
+    configs = sorted((root / "configs").rglob("*.yaml"))
+    assert len(configs) >= 18
+    for path in configs:
+        resolve_method(load_config(path))
+    for path in sorted((root / "benchmarks").glob("*.yaml")):
+        study, study_dir = load_study(path)
+        for cell in study.cells:
+            resolve_method(cell_config(study, study_dir, cell, 0))
