@@ -38,9 +38,16 @@ def free_port() -> int:
 
 
 class Federation:
-    """A SuperLink and N SuperNodes on 127.0.0.1 with FLWR_HOME in a temp dir; `stop()` kills them all."""
+    """A SuperLink and N SuperNodes on 127.0.0.1, FLWR_HOME in a temp dir; `stop()` kills them all.
+
+    Secured as a real deployment: TLS with a CA made here (`--ssl-*` on the SuperLink, `--root-certificates`
+    on the nodes and the CLI connection) and SuperNode authentication (`--enable-supernode-auth`, each node's
+    public key registered with `flwr supernode register`, its private key given to `flower-supernode`).
+    """
 
     def __init__(self, home: Path, clients: int) -> None:
+        from promptfcl.flower.security import make_node_keys, make_tls
+
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         self.env = {
@@ -50,35 +57,33 @@ class Federation:
             "PYTHONUNBUFFERED": "1",
         }
         self.procs: list[subprocess.Popen] = []
+        tls = make_tls(home / "certs", ["127.0.0.1", "localhost"])
+        self.keys = make_node_keys(home / "keys", [f"node{k}" for k in range(clients)] + ["intruder"])
         self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
-        self._start(
-            "superlink",
-            [
-                str(BIN / "flower-superlink"),
-                "--insecure",
-                "--disable-runtime-dependency-installation",
-                "--port",
-                str(self.port),
-            ],
-        )
-        time.sleep(3)
-        for k in range(clients):
-            self._start(
-                f"node{k}",
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{self.port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    f"partition-id={k} num-partitions={clients}",
-                ],
-            )
+        link = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile"]
+        link += [str(tls["cert"]), "--ssl-keyfile", str(tls["key"]), "--enable-supernode-auth"]
+        self._start("superlink", [*link, "--disable-runtime-dependency-installation", "--port", str(self.port)])
         subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
         with open(home / "config.toml", "a") as f:
-            f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+            f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = "{tls["ca"]}"\n')
+        time.sleep(4)
+        for k in range(clients):
+            self.flwr("supernode", "register", str(self.keys[f"node{k}"][1]), "test")
+        for k, name in [*enumerate(f"node{k}" for k in range(clients)), (clients, "intruder")]:
+            node = [str(BIN / "flower-supernode"), "--root-certificates", str(tls["ca"]), "--superlink"]
+            node += [f"127.0.0.1:{self.port}", "--auth-supernode-private-key", str(self.keys[name][0])]
+            node += ["--port", str(free_port()), "--node-config", f"partition-id={k} num-partitions={clients}"]
+            self._start(name, node)
+
+    def flwr(self, *args: str) -> str:
+        out = subprocess.run([str(BIN / "flwr"), *args], env=self.env, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise AssertionError(f"flwr {' '.join(args)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+        return out.stdout
+
+    def online_nodes(self) -> int:
+        nodes = json.loads(self.flwr("supernode", "list", "test", "--format", "json"))["nodes"]
+        return sum(n["status"] == "online" for n in nodes)
 
     def _start(self, name: str, cmd: list[str]) -> None:
         log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
@@ -130,6 +135,8 @@ def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
     app = write_app(tmp_path / "app")
     fed = Federation(tmp_path / "flwr_home", clients=2)
     try:
+        time.sleep(8)
+        assert fed.online_nodes() == 2  # the intruder's unregistered key is refused
         results = {
             name: fed.run(app, f"config-file='{tmp_path / f'{name}.yaml'}' run-dir='{tmp_path / f'flower_{name}'}'")
             for name in runs
