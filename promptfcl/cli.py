@@ -33,6 +33,15 @@ def _run(args: argparse.Namespace) -> int:
         )
         if (run_dir / "checkpoint.safetensors").exists():
             raise ConfigError(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
+        if args.engine == "flower-sim":
+            import json
+
+            from promptfcl.experiment import print_summary
+            from promptfcl.flower.simulation import run_flower_simulation
+
+            run_flower_simulation(cfg, run_dir)
+            print_summary(console, json.loads((run_dir / "metrics.json").read_text()), run_dir)
+            return 0
         exp = Experiment(cfg, run_dir, show_progress=not args.quiet, console=console)
         try:
             metrics = exp.run()
@@ -65,6 +74,14 @@ def _study(args: argparse.Namespace) -> int:
     results = execute(runs, args.jobs, done)
     console.print(summarize_study(study, runs, out))
     return 1 if any(rc != 0 for _, rc in results) else 0
+
+
+def _flower_app(args: argparse.Namespace) -> int:
+    from promptfcl.flower.project import write_app
+
+    path = write_app(Path(args.directory))
+    console.print(f"Flower app written to {path}/ — run it with: flwr run {path} <superlink connection> --stream")
+    return 0
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -101,12 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="write results here (default: OUTPUT_DIR/NAME_TIMESTAMP)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument(
+        "--engine",
+        choices=["inprocess", "flower-sim"],
+        default="inprocess",
+        help="inprocess (default) or Flower's simulation runtime (needs promptfcl[flower])",
+    )
     run.set_defaults(func=_run)
     st = sub.add_parser("study", help="run every cell x seed of a study file and write the comparison table")
     st.add_argument("study", help="study YAML (base config, seeds, cells)")
     st.add_argument("--out", help="study directory (default: results/studies/NAME)")
     st.add_argument("--jobs", type=int, default=1, help="runs at once (CPU threads are split between them)")
     st.set_defaults(func=_study)
+    fa = sub.add_parser("flower-app", help="write the Flower app project that `flwr run` deploys")
+    fa.add_argument("directory", nargs="?", default="flower-app")
+    fa.set_defaults(func=_flower_app)
     ls = sub.add_parser("list", help="list methods, datasets and backbones")
     ls.set_defaults(func=_list)
     return p

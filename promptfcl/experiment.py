@@ -190,10 +190,15 @@ class Experiment:
         return metrics
 
     def print_summary(self, metrics: dict[str, Any]) -> None:
-        table = Table(title=f"{metrics['run']} ({metrics['method']})")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for k, v in summary_rows(metrics):
-            table.add_row(k, v)
-        self.console.print(table)
-        self.console.print(f"results written to {self.run_dir}/")
+        print_summary(self.console, metrics, self.run_dir)
+
+
+def print_summary(console: Console, metrics: dict[str, Any], run_dir: Path) -> None:
+    """The results table of a finished run."""
+    table = Table(title=f"{metrics['run']} ({metrics['method']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary_rows(metrics):
+        table.add_row(k, v)
+    console.print(table)
+    console.print(f"results written to {run_dir}/")

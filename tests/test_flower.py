@@ -152,3 +152,19 @@ def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
         server_keys = [k for k in ref if k.startswith("server/")]
         assert server_keys and all((ours[k] == ref[k]).all() for k in server_keys), name  # equal global state
     assert all(p.poll() is not None for p in fed.procs)
+
+
+def test_flower_simulation_engine_equals_in_process_engine(tmp_path: Path) -> None:
+    """`promptfcl run --engine flower-sim`: Flower's simulation runtime (Ray), same numbers as in-process."""
+    from promptfcl.cli import main
+
+    raw = tiny_raw(scenario={"num_tasks": 2, "num_clients": 2, "rounds_per_task": 1})
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(cfg), "--quiet", "--run-dir", str(tmp_path / "inproc")]) == 0
+    assert main(["run", str(cfg), "--engine", "flower-sim", "--run-dir", str(tmp_path / "sim")]) == 0
+    ours = json.loads((tmp_path / "sim" / "metrics.json").read_text())
+    ref = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
+    assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["communication"] == ref["communication"]
+    leftover = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "sim") not in leftover  # the simulation SuperLink was stopped
