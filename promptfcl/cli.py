@@ -84,6 +84,17 @@ def _flower_app(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flower_certs(args: argparse.Namespace) -> int:
+    from promptfcl.flower.security import make_node_keys, make_tls
+
+    tls = make_tls(Path(args.directory), args.hosts)
+    keys = make_node_keys(Path(args.directory) / "keys", [f"node{k}" for k in range(args.nodes)])
+    console.print(f"TLS: {tls['ca']} (give to every SuperNode and the flwr CLI), {tls['cert']}, {tls['key']}")
+    for name, (private, public) in keys.items():
+        console.print(f"{name}: private {private} (stays on that node), public {public} (flwr supernode register)")
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     import timm
 
@@ -133,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     fa = sub.add_parser("flower-app", help="write the Flower app project that `flwr run` deploys")
     fa.add_argument("directory", nargs="?", default="flower-app")
     fa.set_defaults(func=_flower_app)
+    fc = sub.add_parser("flower-certs", help="make a test CA, a SuperLink certificate and SuperNode key pairs")
+    fc.add_argument("directory")
+    fc.add_argument("--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="SuperLink IPs / DNS names")
+    fc.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs to make")
+    fc.set_defaults(func=_flower_certs)
     ls = sub.add_parser("list", help="list methods, datasets and backbones")
     ls.set_defaults(func=_list)
     return p
