@@ -22,6 +22,8 @@ The server keeps the previous-task snapshot and the cumulative label counts (che
 Choices (switch → default):
 - `lr`: 1e-3 (paper) | 5e-3 (code's yaml) → paper.
 - `replay_ratio`: 0.5 (paper, CIFAR/IN-R) | 1.0 (DomainNet script) → 0.5.
+- `detach_query`: False (paper: the prompt-MSE disagreement trains the generator) | True (code: the pool
+  detaches its query, so that term gives the generator no gradient) → paper.
 - Ablations of Appendix B: `use_prev_server`, `lambda_kl`, `lambda_mse`, `distill_prompts`, `distill_head`.
 - `augment`: "crop_flip" (paper: random crop + flip; the query cache is then off) | "flip" with
   `query_cache: true` (CPU presets) — the query is recomputed or cached accordingly.
@@ -55,6 +57,9 @@ class WeightedPoolParams(PoolTrainingParams):
     pool_size: int = Field(100, gt=0)
     length: int = Field(20, gt=0, description="prompt tokens per component: half keys, half values")
     layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
+    detach_query: bool = Field(
+        False, description="code: the pool detaches its query, so the generator's prompt-MSE term has no gradient"
+    )
 
 
 class HePCoParams(WeightedPoolParams):
@@ -76,7 +81,8 @@ class HePCoParams(WeightedPoolParams):
 
 
 def build_model(env: MethodEnv, p: WeightedPoolParams) -> PromptedClassifier:
-    return pooled_model(env, p, WeightedPool(env.backbone.embed_dim, p.layers, p.pool_size, p.length))
+    pool = WeightedPool(env.backbone.embed_dim, p.layers, p.pool_size, p.length, detach_query=p.detach_query)
+    return pooled_model(env, p, pool)
 
 
 def prompt_output(model: PromptedClassifier, z: torch.Tensor) -> torch.Tensor:
