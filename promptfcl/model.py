@@ -8,7 +8,18 @@ from torch import nn
 from promptfcl.backbones.vit import FrozenViT
 
 
-class PromptedClassifier(nn.Module):
+class ExchangedModel(nn.Module):
+    """A model whose `state_dict` is exactly what travels between server and clients."""
+
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """Detached copies of every trainable tensor (what a message carries)."""
+        return {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+    def set_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(tensors, strict=True)
+
+
+class PromptedClassifier(ExchangedModel):
     """The trainable part of a prompt method around a frozen backbone.
 
     The backbone is held by reference and is *not* a submodule, so `parameters()` / `state_dict()` contain only
@@ -30,10 +41,3 @@ class PromptedClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
-
-    def get_state(self) -> dict[str, torch.Tensor]:
-        """Detached copies of every trainable tensor (what a message carries)."""
-        return {k: v.detach().clone() for k, v in self.state_dict().items()}
-
-    def set_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict(tensors, strict=True)

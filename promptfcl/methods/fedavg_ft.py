@@ -18,6 +18,7 @@ from torch import nn
 from promptfcl.federation.protocol import MethodEnv
 from promptfcl.methods.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
 from promptfcl.methods.registry import register_method
+from promptfcl.model import ExchangedModel
 
 
 class FullFineTuneParams(FedAvgParams):
@@ -31,7 +32,7 @@ class FullFineTuneParams(FedAvgParams):
     grad_clip: float | None = None
 
 
-class FineTunedClassifier(nn.Module):
+class FineTunedClassifier(ExchangedModel):
     """A trainable copy of the backbone's ViT plus a linear head; `state_dict` is the whole network."""
 
     def __init__(self, vit: nn.Module, num_logits: int) -> None:
@@ -44,12 +45,6 @@ class FineTunedClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
-
-    def get_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.state_dict().items()}
-
-    def set_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict(tensors, strict=True)
 
 
 def build_model(env: MethodEnv, p: FullFineTuneParams) -> FineTunedClassifier:
