@@ -190,3 +190,19 @@ def test_fedproto_prototypes_regularise_and_classify(tmp_path) -> None:
     f = model.features(x)
     expected = torch.cdist(f, exp.server.protos).argmin(1)
     assert torch.equal(proto_model(x).argmax(1), expected)
+
+
+@pytest.mark.parametrize("ablation", ["current", "old"])
+def test_cr_ablations_retrain_only_their_part_of_the_head(tmp_path, ablation: str) -> None:
+    """CR_cur / CR_old (HGP Table 4): only the sampled classes' logits compete; the rest keep FedAvg's rows."""
+    exp = Experiment(tiny_config(method=method("hgp", rebalance="none")), tmp_path / "run", show_progress=False)
+    exp.run()
+    head = exp.server.model.head
+    before = head.weight.detach().clone()
+    exp.server.params = exp.server.params.model_copy(update={"rebalance": ablation})
+    exp.server.rebalance(1, torch_generator(0, "test"))
+    current = list(exp.scenario.label_space.tasks[1].logits)
+    old = list(exp.scenario.label_space.tasks[0].logits)
+    trained, kept = (current, old) if ablation == "current" else (old, current)
+    assert torch.equal(head.weight[kept], before[kept])
+    assert not torch.equal(head.weight[trained], before[trained])

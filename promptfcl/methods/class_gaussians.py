@@ -82,30 +82,36 @@ class ClassGaussianServer(FedAvgServer):
         self.components = self.components.replace_task(info.task, stats)
         return self.rebalance(info.task, torch_generator(self.env.seed, "rebalance", info.task, info.round))
 
-    def rebalance_classes(self, task: int) -> torch.Tensor:
-        """Logit ids whose Gaussians are sampled (the CR_cur / CR_old ablations restrict these)."""
-        which = self.params.rebalance
-        comps = self.components
-        if which == "current":
-            return torch.unique(comps.cls[comps.task == task])
-        if which == "old":
-            return torch.unique(comps.cls[comps.task < task])
-        if which == "all":
-            return torch.unique(comps.cls[comps.task <= task])
-        return torch.zeros(0, dtype=torch.long)
+    def rebalance_classes(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(classes whose Gaussians are sampled, logits that compete in the retraining CE).
+
+        HGP (all): every seen class, over all seen logits. CR_cur: the current task's classes over its own
+        logits; CR_old: earlier tasks' classes over their logits — so the other part of the head keeps what
+        FedAvg gave it (fed-mammoth `hgp_cur_task.py` / `hgp_old_tasks.py` slice the logits the same way).
+        """
+        space, comps = self.env.label_space, self.components
+        first = space.tasks[task].logits[0]
+        if self.params.rebalance == "current":
+            logits = torch.tensor(space.tasks[task].logits)
+        elif self.params.rebalance == "old":
+            logits = torch.arange(first)
+        elif self.params.rebalance == "all":
+            logits = torch.arange(space.seen_logits(task))
+        else:
+            logits = torch.zeros(0, dtype=torch.long)
+        return torch.unique(comps.cls[torch.isin(comps.cls, logits)]), logits
 
     def calibration_params(self) -> CalibrationParams:
         return self.params.calibration
 
     def rebalance(self, task: int, gen: torch.Generator) -> dict[str, float]:
         """Retrain the head on sampled features of the chosen classes (no-op when there are none)."""
-        classes = self.rebalance_classes(task)
+        classes, logits = self.rebalance_classes(task)
         if len(classes) == 0:
             return {}
         p = self.params
         sampler = MixtureSampler(self.components, classes, p.class_weights, p.variance_scale, p.variance_eps)
-        seen = torch.arange(self.env.label_space.seen_logits(task))
-        return calibrate_head(self.model.head, sampler, seen, self.calibration_params(), gen, self.env.device)
+        return calibrate_head(self.model.head, sampler, logits, self.calibration_params(), gen, self.env.device)
 
     def state(self) -> Record:
         return Record({**self.model.get_state(), **self.components.to_tensors("gmm/")})

@@ -29,7 +29,8 @@ Choices where paper and code differ (switch → default, and why):
   → later code, the paper is silent.
 - `variance_scale` 3 and `calibration.logit_norm_temperature` 0.1: code-only details, kept as defaults.
 Ablations (§5, Table 4) as config: `rebalance` = "all" (HGP) | "current" (CR_cur) | "old" (CR_old) |
-"none" (= FedAvg-Prompt plus statistics).
+"none" (= FedAvg-Prompt plus statistics); CR_cur / CR_old retrain only their classes' logits, as the
+fed-mammoth ablation files slice them.
 Deviation: the code ships the whole network each round; only the trainable prompt + head travel here.
 """
 
