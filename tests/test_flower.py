@@ -113,21 +113,23 @@ class Federation:
 
 
 def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
-    """fedavg_prompt, then HGP (a server-side step) with client optimiser state kept across rounds."""
+    """A 2-task fedavg_prompt run, then a 1-task HGP run (server-side step) keeping client optimiser state."""
     from promptfcl.flower.project import write_app
 
     base = tiny_raw(scenario={"num_tasks": 2, "num_clients": 2, "rounds_per_task": 1})
     hgp = {"name": "hgp", "length": 4, "layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.01}
+    one_task = {**base, "scenario": {**base["scenario"], "num_tasks": 1, "rounds_per_task": 2}}
+    one_task["data"] = {**base["data"], "options": {**base["data"]["options"], "num_classes": 3}}
     runs = {
         "fedavg_prompt": base,
-        "hgp_kept_optimizer": {**base, "method": {**hgp, "optimizer_reset": "never"}},
+        "hgp_kept_optimizer": {**one_task, "method": {**hgp, "optimizer_reset": "never"}},
     }
     references = {}
     for name, raw in runs.items():
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
         references[name] = Experiment(build_config(raw), tmp_path / f"inproc_{name}", show_progress=False).run()
     # the kept optimiser state matters, so equality below shows the nodes persisted it in context.state
-    Experiment(build_config({**base, "method": hgp}), tmp_path / "reset", show_progress=False).run()
+    Experiment(build_config({**one_task, "method": hgp}), tmp_path / "reset", show_progress=False).run()
     kept = load_file(str(tmp_path / "inproc_hgp_kept_optimizer" / "checkpoint.safetensors"))
     reset = load_file(str(tmp_path / "reset" / "checkpoint.safetensors"))
     assert not torch.equal(kept["server/prompt.prompts"], reset["server/prompt.prompts"])

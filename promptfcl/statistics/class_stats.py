@@ -9,7 +9,7 @@ covariance) per class ever leaves the client.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +67,7 @@ def uploaded_statistics(replies: Mapping[int, Record]) -> list[ClassStatistics]:
 
 @torch.no_grad()
 def extract_features(
-    features: torch.nn.Module | object,
+    features: Callable[[torch.Tensor], torch.Tensor],
     data: LabeledSubset,
     transform: ImageTransform,
     device: torch.device,
@@ -76,7 +76,7 @@ def extract_features(
     """(features (N,d) float64 on CPU, logit targets (N,)) of `data` through `features(x)`."""
     feats, ys = [], []
     for x, y in data.batches(batch_size, transform, device=device):
-        feats.append(features(x).double().cpu())  # type: ignore[operator]
+        feats.append(features(x).double().cpu())
         ys.append(y.cpu())
     if not feats:
         return torch.zeros(0, 0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
@@ -115,7 +115,7 @@ def summarize(
 
 
 def class_statistics(
-    features: torch.nn.Module | object,
+    features: Callable[[torch.Tensor], torch.Tensor],
     data: LabeledSubset,
     transform: ImageTransform,
     device: torch.device,
