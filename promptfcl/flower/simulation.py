@@ -86,9 +86,6 @@ def run_flower_simulation(cfg: ExperimentConfig, run_dir: Path, timeout: float =
 
 def _stop_local_superlink(home: Path) -> None:
     """Kill the detached `flower-superlink --simulation` that `flwr run` started for this FLWR_HOME."""
-    for pid_file in home.rglob("*.pid"):
-        with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
-            os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True)
     for line in out.stdout.splitlines()[1:]:
         pid, _, args = line.strip().partition(" ")

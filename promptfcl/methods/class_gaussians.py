@@ -10,6 +10,7 @@ and class vs one pooled Gaussian per class; variance inflation; logit normalisat
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -53,8 +54,6 @@ class ClassGaussianClient(SupervisedClient):
     def stats_transform(self) -> ImageTransform:
         t = self.env.eval_transform
         if self.params.stats_images == "raw":
-            from dataclasses import replace
-
             t = replace(t, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
         return t
 

@@ -6,6 +6,7 @@ server sent), `reply` (statistics beside the parameters) or `aggregate` / `run_r
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -147,3 +148,38 @@ class FedAvgServer(ServerProgram):
 
     def load_state(self, state: Record) -> None:
         self.model.set_state(state.tensors)
+
+
+class PreviousTaskServer(FedAvgServer):
+    """FedAvg that also keeps the global model of the end of the previous task (checkpointed with it).
+
+    Methods that distil from or replay against the previous task's model (HePCo, LwF.MC) build on this.
+    """
+
+    PREV = "prev/"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prev: torch.nn.Module | None = None
+
+    def keeps_previous(self) -> bool:
+        return True
+
+    def end_task(self, task: int) -> None:
+        if self.keeps_previous():
+            self.prev = copy.deepcopy(self.model).eval()
+
+    def state(self) -> Record:
+        record = super().state()
+        if self.prev is not None:
+            record.tensors.update({f"{self.PREV}{k}": v for k, v in self.prev.get_state().items()})
+        return record
+
+    def load_state(self, state: Record) -> None:
+        own = {k: v for k, v in state.tensors.items() if not k.startswith(self.PREV)}
+        prev = {k[len(self.PREV) :]: v for k, v in state.tensors.items() if k.startswith(self.PREV)}
+        super().load_state(Record(own, state.scalars))
+        self.prev = None
+        if prev:
+            self.prev = self.new_model().eval()
+            self.prev.set_state(prev)

@@ -35,9 +35,14 @@ class FedAvgPromptParams(FedAvgParams):
     prompt_init: Literal["zeros", "uniform"] = "zeros"
 
 
+def check_layers(env: MethodEnv, layers: list[int]) -> None:
+    """Prompt layers must exist in the backbone (a clear error instead of an index error mid-run)."""
+    if any(not 0 <= layer < env.backbone.num_layers for layer in layers):
+        raise ValueError(f"prompt layers {sorted(layers)} outside the backbone's 0..{env.backbone.num_layers - 1}")
+
+
 def build_model(env: MethodEnv, p: FedAvgPromptParams) -> PromptedClassifier:
-    if any(not 0 <= layer < env.backbone.num_layers for layer in p.layers):
-        raise ValueError(f"method.layers {p.layers} outside the backbone's 0..{env.backbone.num_layers - 1}")
+    check_layers(env, p.layers)
     prompt = PrefixPrompt(env.backbone.embed_dim, p.layers, p.length, p.prompt_init) if p.length else None
     return PromptedClassifier(env.backbone, env.label_space.num_logits, prompt)
 

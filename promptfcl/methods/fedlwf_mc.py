@@ -9,22 +9,21 @@ and head uniformly. The model is HePCo's weighted prompt pool + head (as its oth
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, RoundInfo
-from promptfcl.methods.hepco import HePCoServer, LabelCountingClient, WeightedPoolParams, build_model
+from promptfcl.methods.fedavg import PreviousTaskServer, SupervisedClient
+from promptfcl.methods.hepco import WeightedPoolParams, build_model
 from promptfcl.methods.registry import register_method
 from promptfcl.training.local import LossFn
 from promptfcl.training.regularizers import lwf_mc_loss
 
-PREV = "prev/"
+PREV = PreviousTaskServer.PREV  # the previous-task model travels under the same prefix it is stored with
 
 
-class LwFMCClient(LabelCountingClient):
+class LwFMCClient(SupervisedClient):
     """Trains with LwF.MC against the previous-task model the server sent (plain BCE on task 0)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -52,11 +51,8 @@ class LwFMCClient(LabelCountingClient):
         return loss
 
 
-class LwFMCServer(HePCoServer):
-    """Uniform FedAvg; keeps the previous-task model and sends it along during later tasks."""
-
-    def end_task(self, task: int) -> None:
-        self.prev = copy.deepcopy(self.model).eval()
+class LwFMCServer(PreviousTaskServer):
+    """Uniform FedAvg; sends the previous-task model along during later tasks."""
 
     def downlink(self, info: RoundInfo) -> Message:
         msg = super().downlink(info)

@@ -13,7 +13,8 @@ from torch import nn
 
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext
-from promptfcl.methods.hepco import HePCoServer, LabelCountingClient, WeightedPoolParams, build_model
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.hepco import WeightedPoolParams, build_model
 from promptfcl.methods.registry import register_method
 from promptfcl.training.local import LossFn, masked_cross_entropy
 from promptfcl.training.regularizers import proximal_term
@@ -25,7 +26,7 @@ class FedProxParams(WeightedPoolParams):
     mu: float = Field(0.01, ge=0, description="proximal weight μ (the term is μ/2·‖w − w_server‖²)")
 
 
-class FedProxClient(LabelCountingClient):
+class FedProxClient(SupervisedClient):
     """CE over the current task + the proximal term to the round's server weights."""
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
@@ -41,7 +42,7 @@ class FedProxClient(LabelCountingClient):
 register_method(
     "fedprox_prompt",
     FedProxParams,
-    HePCoServer,
+    FedAvgServer,
     FedProxClient,
     build_model,
     "weighted prompt pool + head with the FedProx proximal term, uniform average",

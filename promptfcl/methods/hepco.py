@@ -33,8 +33,6 @@ reflection-padded translation, not RandomResizedCrop; clients upload only traina
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -42,7 +40,7 @@ from torch import nn
 
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.fedavg import FedAvgServer, PreviousTaskServer, SupervisedClient
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
@@ -102,24 +100,21 @@ class LabelCountingClient(SupervisedClient):
         return msg
 
 
-class HePCoServer(FedAvgServer):
-    """Uniform FedAvg, then (with `server_kd`) generator training and two-stage latent distillation."""
+class HePCoServer(PreviousTaskServer):
+    """Uniform FedAvg, then generator training and two-stage latent distillation against clients and the
+    previous-task snapshot; keeps the cumulative label counts."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prev: PromptedClassifier | None = None
         self.cumulative = torch.zeros(self.env.label_space.num_logits, dtype=torch.long)
 
-    def end_task(self, task: int) -> None:
-        if getattr(self.params, "server_kd", False) and self.params.use_prev_server:
-            self.prev = copy.deepcopy(self.model).eval()
+    def keeps_previous(self) -> bool:
+        return self.params.use_prev_server
 
     def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
         counts = torch.stack([r.tensors["label_counts"] for r in replies.values()]).long()
         self.cumulative += counts.sum(0)
-        if not getattr(self.params, "server_kd", False):
-            return {}
-        return self.consolidate(replies, counts, info)
+        return self.consolidate(replies, counts, info) if self.params.server_kd else {}
 
     def teachers(self, replies: dict[int, Message], counts: torch.Tensor) -> list[Teacher]:
         n_round = counts.clamp_min(1).sum().double()  # zero-count classes count as 1 (HePCo code)
@@ -204,20 +199,14 @@ class HePCoServer(FedAvgServer):
         return metrics
 
     def state(self) -> Record:
-        tensors = {**self.model.get_state(), "cumulative_counts": self.cumulative}
-        if self.prev is not None:
-            tensors.update({f"prev/{k}": v for k, v in self.prev.get_state().items()})
-        return Record(tensors)
+        record = super().state()
+        record.tensors["cumulative_counts"] = self.cumulative
+        return record
 
     def load_state(self, state: Record) -> None:
-        t = dict(state.tensors)
-        self.cumulative = t.pop("cumulative_counts").long()
-        prev = {k[5:]: t.pop(k) for k in list(t) if k.startswith("prev/")}
-        self.model.set_state(t)
-        self.prev = None
-        if prev:
-            self.prev = self.new_model().eval()
-            self.prev.set_state(prev)
+        tensors = dict(state.tensors)
+        self.cumulative = tensors.pop("cumulative_counts").long()
+        super().load_state(Record(tensors, state.scalars))
 
 
 register_method(
@@ -232,8 +221,8 @@ register_method(
 register_method(
     "fedavg_prompt_pool",
     WeightedPoolParams,
-    HePCoServer,
-    LabelCountingClient,
+    FedAvgServer,
+    SupervisedClient,
     build_model,
     "HePCo's FedAvg-Prompt: weighted prompt pool + head, uniform average, no server distillation",
     "HePCo (TMLR 2024) baseline",

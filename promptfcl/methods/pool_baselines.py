@@ -20,6 +20,7 @@ from pydantic import Field
 from promptfcl.data.transforms import Augment
 from promptfcl.federation.protocol import MethodEnv
 from promptfcl.methods.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
+from promptfcl.methods.fedavg_prompt import check_layers
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts import CodaPool, DualPromptPool, L2PPool
@@ -40,9 +41,7 @@ class PoolTrainingParams(FedAvgParams):
 
 
 def pooled_model(env: MethodEnv, p: PoolTrainingParams, pool: PromptPool) -> PromptedClassifier:
-    layers = [x for attr in ("layers", "g_layers", "e_layers") for x in getattr(pool, attr, ())]
-    if any(not 0 <= layer < env.backbone.num_layers for layer in layers):
-        raise ValueError(f"prompt layers {sorted(layers)} outside the backbone's 0..{env.backbone.num_layers - 1}")
+    check_layers(env, [x for attr in ("layers", "g_layers", "e_layers") for x in getattr(pool, attr, ())])
     env.backbone.enable_query_cache(p.query_cache)
     return PromptedClassifier(env.backbone, env.label_space.num_logits, pool)
 
