@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,16 +42,20 @@ def free_port() -> int:
 class Federation:
     """A SuperLink and N SuperNodes on 127.0.0.1, FLWR_HOME in a temp dir; `stop()` kills them all.
 
-    Secured as a real deployment: TLS with a CA made here (`--ssl-*` on the SuperLink, `--root-certificates`
-    on the nodes and the CLI connection) and SuperNode authentication (`--enable-supernode-auth`, each node's
-    public key registered with `flwr supernode register`, its private key given to `flower-supernode`).
+    `secure=True` is set up as a real deployment: TLS with a CA made here (`--ssl-*` on the SuperLink,
+    `--root-certificates` on the nodes and the CLI connection) and SuperNode authentication
+    (`--enable-supernode-auth`, each node's public key registered with `flwr supernode register`, its private
+    key given to `flower-supernode`), plus an intruder node whose key is not registered. `secure=False` is the
+    plain loopback recipe (`--insecure`). Each node's promptfcl worker keeps its socket and status in
+    `worker_dir`.
     """
 
-    def __init__(self, home: Path, clients: int) -> None:
+    def __init__(self, home: Path, clients: int, secure: bool) -> None:
         from promptfcl.flower.security import make_node_keys, make_tls
 
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
+        self.worker_dir = Path(tempfile.mkdtemp(prefix="pfw"))  # short: Unix socket paths are limited
         self.env = {
             **os.environ,
             "FLWR_HOME": str(home),
@@ -57,23 +63,38 @@ class Federation:
             "PYTHONUNBUFFERED": "1",
         }
         self.procs: list[subprocess.Popen] = []
-        tls = make_tls(home / "certs", ["127.0.0.1", "localhost"])
-        self.keys = make_node_keys(home / "keys", [f"node{k}" for k in range(clients)] + ["intruder"])
         self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
-        link = [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile"]
-        link += [str(tls["cert"]), "--ssl-keyfile", str(tls["key"]), "--enable-supernode-auth"]
-        self._start("superlink", [*link, "--disable-runtime-dependency-installation", "--port", str(self.port)])
+        link = [str(BIN / "flower-superlink"), "--disable-runtime-dependency-installation", "--port", str(self.port)]
+        names = [f"node{k}" for k in range(clients)]
+        if secure:
+            tls = make_tls(home / "certs", ["127.0.0.1", "localhost"])
+            self.keys = make_node_keys(home / "keys", [*names, "intruder"])
+            link += ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"])]
+            link += ["--ssl-keyfile", str(tls["key"]), "--enable-supernode-auth"]
+            connection = f'root-certificates = "{tls["ca"]}"'
+        else:
+            link += ["--insecure"]
+            connection = "insecure = true"
+        self._start("superlink", link)
         subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
         with open(home / "config.toml", "a") as f:
-            f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = "{tls["ca"]}"\n')
+            f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{connection}\n')
         time.sleep(4)
-        for k in range(clients):
-            self.flwr("supernode", "register", str(self.keys[f"node{k}"][1]), "test")
-        for k, name in [*enumerate(f"node{k}" for k in range(clients)), (clients, "intruder")]:
-            node = [str(BIN / "flower-supernode"), "--root-certificates", str(tls["ca"]), "--superlink"]
-            node += [f"127.0.0.1:{self.port}", "--auth-supernode-private-key", str(self.keys[name][0])]
-            node += ["--port", str(free_port()), "--node-config", f"partition-id={k} num-partitions={clients}"]
-            self._start(name, node)
+        if secure:
+            for name in names:
+                self.flwr("supernode", "register", str(self.keys[name][1]), "test")
+        for k, name in enumerate([*names, "intruder"] if secure else names):
+            node = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
+            if secure:
+                node += ["--root-certificates", str(tls["ca"]), "--auth-supernode-private-key", str(self.keys[name][0])]
+            else:
+                node += ["--insecure"]
+            config = f"partition-id={k} num-partitions={clients} worker-dir='{self.worker_dir}'"
+            self._start(name, [*node, "--node-config", config])
+
+    def worker_status(self) -> list[dict]:
+        """The status of every promptfcl node worker these nodes started (pid, runtime builds, messages)."""
+        return [json.loads(p.read_text()) for p in sorted(self.worker_dir.glob("*.status.json"))]
 
     def flwr(self, *args: str) -> str:
         out = subprocess.run([str(BIN / "flwr"), *args], env=self.env, capture_output=True, text=True, timeout=120)
@@ -110,9 +131,14 @@ class Federation:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
+        for status in self.worker_status():  # node workers run in their own session: kill them by pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(status["pid"], signal.SIGKILL)
+        shutil.rmtree(self.worker_dir, ignore_errors=True)
 
 
-def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [True, False], ids=["tls_node_auth", "insecure"])
+def test_flower_deployment_equals_in_process_engine(tmp_path: Path, secure: bool) -> None:
     """A 2-task fedavg_prompt run, then a 1-task HGP run (server-side step) keeping client optimiser state."""
     from promptfcl.flower.project import write_app
 
@@ -135,16 +161,21 @@ def test_flower_deployment_equals_in_process_engine(tmp_path: Path) -> None:
     assert not torch.equal(kept["server/prompt.prompts"], reset["server/prompt.prompts"])
 
     app = write_app(tmp_path / "app")
-    fed = Federation(tmp_path / "flwr_home", clients=2)
+    fed = Federation(tmp_path / "flwr_home", clients=2, secure=secure)
     try:
         time.sleep(8)
-        assert fed.online_nodes() == 2  # the intruder's unregistered key is refused
+        assert fed.online_nodes() == 2  # with TLS + node auth, the intruder's unregistered key is refused
         results = {
             name: fed.run(app, f"config-file='{tmp_path / f'{name}.yaml'}' run-dir='{tmp_path / f'flower_{name}'}'")
             for name in runs
         }
+        workers = fed.worker_status()
     finally:
         fed.stop()
+    # one worker per (node, run config), each built its runtime (and so the frozen backbone) exactly once and
+    # served every message of its node: fedavg_prompt 2 tasks x 1 round, hgp 2 rounds
+    assert len(workers) == 4 and all(w["runtime_builds"] == 1 and w["errors"] == 0 for w in workers)
+    assert sorted(w["messages"] for w in workers) == [2, 2, 2, 2]
     for name, reference in references.items():
         result = results[name]
         assert result["accuracy_matrix"] == reference["accuracy_matrix"], name

@@ -1,50 +1,57 @@
 """The promptfcl `ClientApp`: dispatches Flower messages to the configured method's client program.
 
 Each SuperNode serves one client: `--node-config "partition-id=K num-partitions=N"`. The run config carries
-the experiment YAML (`config-file`) and overrides (`overrides`, a JSON list of `key=value`). The client builds
-the same `Runtime` as the in-process engine (data, scenario from the seed, frozen backbone), once per process,
-and keeps its persistent state in `context.state`.
+the experiment YAML (`config-file`) and overrides (`overrides`, a JSON list of `key=value`). The client's
+persistent state lives in `context.state`.
+
+With `node-worker = true` (the app's default) the message is relayed to the node's long-lived worker
+(`promptfcl.flower.node_worker`), which builds the runtime — dataset, scenario, frozen backbone — once per
+node rather than once per message; this process then imports only Flower. With `node-worker = false` (used by
+Flower's simulation runtime, whose workers live for the whole run) the step runs here, with the runtime cached
+per process. Both paths run the same `client_step`. Optional node-config key: `worker-dir` (where the worker's
+socket, status and log live; default a private folder under the system temp dir).
 """
 
 from __future__ import annotations
-
-import json
 
 from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from promptfcl.config import load_config
-from promptfcl.federation.inprocess import run_client
-from promptfcl.federation.protocol import ClientProgram
-from promptfcl.flower.records import from_record_dict, load_state, store_state, to_record_dict
-from promptfcl.methods import METHODS
-from promptfcl.runtime import Runtime
+from promptfcl.flower.message_kinds import CLIENT_MESSAGE_KINDS
 
 app = ClientApp()
-_RUNTIMES: dict[str, tuple[Runtime, ClientProgram]] = {}
 
 
-def runtime_for(context: Context) -> tuple[Runtime, ClientProgram]:
-    """The runtime of this run's config, built once per process."""
-    rc = context.run_config
-    key = json.dumps([rc.get("config-file"), rc.get("overrides", "[]")])
-    if key not in _RUNTIMES:
-        cfg = load_config(str(rc["config-file"]), json.loads(str(rc.get("overrides", "[]"))))
-        rt = Runtime.build(cfg)
-        _RUNTIMES[key] = (rt, rt.programs()[1])
-    return _RUNTIMES[key]
+def _replace(target: RecordDict, source: RecordDict) -> None:
+    for key in list(target.keys()):
+        del target[key]
+    for key, value in source.items():
+        target[key] = value
 
 
 def handle(msg: FlowerMessage, context: Context) -> FlowerMessage:
-    rt, client = runtime_for(context)
-    cid = int(context.node_config["partition-id"])
-    state = load_state(context.state)
-    reply = run_client(
-        client, from_record_dict(msg.content), cid, state, rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device
-    )
-    store_state(context.state, state)
-    return FlowerMessage(content=to_record_dict(reply), reply_to=msg)
+    pid = int(context.node_config["partition-id"])
+    if bool(context.run_config.get("node-worker", True)):
+        from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+        from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+
+        from promptfcl.flower.worker_link import call_worker
+
+        reply, state = call_worker(
+            context.node_config,
+            context.node_id,
+            context.run_config,
+            recorddict_to_proto(msg.content).SerializeToString(),
+            recorddict_to_proto(context.state).SerializeToString(),
+        )
+        _replace(context.state, recorddict_from_proto(ProtoRecordDict.FromString(state)))
+        content = recorddict_from_proto(ProtoRecordDict.FromString(reply))
+    else:
+        from promptfcl.flower.node_worker import client_step
+
+        content = client_step(context.run_config, pid, msg.content, context.state)
+    return FlowerMessage(content=content, reply_to=msg)
 
 
 @app.query("promptfcl_hello")
@@ -54,5 +61,5 @@ def hello(msg: FlowerMessage, context: Context) -> FlowerMessage:
 
 
 app.train()(handle)
-for _kind in sorted({k for _, spec in METHODS.items() for k in spec.client.message_kinds} - {"train"}):
+for _kind in sorted(set(CLIENT_MESSAGE_KINDS) - {"train"}):
     app.query(_kind)(handle)

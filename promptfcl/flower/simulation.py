@@ -64,7 +64,7 @@ def run_flower_simulation(cfg: ExperimentConfig, run_dir: Path, timeout: float =
     subprocess.run([flwr, "config", "list"], env=env, capture_output=True, timeout=120)
     with open(home / "config.toml", "a") as f:
         f.write('\n[superlink.sim]\naddress = ":local:"\n')
-    run_config = f"config-file='{cfg_file}' run-dir='{run_dir}'"
+    run_config = f"config-file='{cfg_file}' run-dir='{run_dir}' node-worker=false"
     n = str(simulation_clients(cfg))
     try:
         subprocess.run(
