@@ -56,7 +56,13 @@ def handle(msg: FlowerMessage, context: Context) -> FlowerMessage:
 
 @app.query("promptfcl_hello")
 def hello(msg: FlowerMessage, context: Context) -> FlowerMessage:
+    """Tell the server which client this node is; with the node worker on, start it now, so that building the
+    runtime is part of discovery (before the first round) rather than of the first round's time limit."""
     pid = int(context.node_config["partition-id"])
+    if bool(context.run_config.get("node-worker", True)):
+        from promptfcl.flower.worker_link import ensure_worker
+
+        ensure_worker(context.node_config, context.node_id, context.run_config)
     return FlowerMessage(content=RecordDict({"hello": ConfigRecord({"partition-id": pid})}), reply_to=msg)
 
 

@@ -132,7 +132,9 @@ class NodeWorker:
             return  # the ClientApp process went away before sending a whole message
         try:
             records = from_bytes(state)
-            reply = client_step(self.run_config, int(json.loads(header)["partition-id"]), from_bytes(content), records)
+            partition = int(json.loads(header)["partition-id"])
+            self.status["partition_id"] = partition
+            reply = client_step(self.run_config, partition, from_bytes(content), records)
             frames = (json.dumps({"ok": True}).encode(), to_bytes(reply), to_bytes(records))
             self.status["messages"] += 1
         except Exception as e:  # noqa: BLE001 - reported to the ClientApp, which fails the message

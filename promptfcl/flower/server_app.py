@@ -29,7 +29,9 @@ def main(grid: FlowerGridAPI, context: Context) -> None:
     timeout = float(rc.get("timeout", 600.0))
 
     def make_grid(rt: Runtime) -> FlowerGrid:
-        return FlowerGrid(grid, discover_partitions(grid, rt.scenario.num_clients), timeout=timeout)
+        # discovery also waits for each node's worker to build its runtime: allow it the round time limit too
+        nodes = discover_partitions(grid, rt.scenario.num_clients, wait_seconds=max(60.0, timeout))
+        return FlowerGrid(grid, nodes, timeout=timeout)
 
     exp = Experiment(cfg, Path(str(rc["run-dir"])), show_progress=False, grid_factory=make_grid)
     metrics = exp.run(resume=bool(rc.get("resume", False)))

@@ -115,6 +115,17 @@ def _start_worker(path: Path, run_config: Mapping[str, Any], idle_timeout: float
         raise WorkerError(f"the promptfcl node worker did not start within {start_timeout:.0f} s (see {path}.log)")
 
 
+def ensure_worker(node_config: Mapping[str, Any], node_id: int, run_config: Mapping[str, Any]) -> Path:
+    """The socket of the node's worker for this run config, started (and its runtime built) if needed."""
+    path = socket_path(node_config, node_id, run_config)
+    try:
+        _connect(path, 5.0).close()
+    except OSError:
+        idle = float(run_config.get("worker-idle-timeout", DEFAULT_IDLE_TIMEOUT))
+        _start_worker(path, run_config, idle, float(run_config.get("worker-start-timeout", DEFAULT_START_TIMEOUT)))
+    return path
+
+
 def call_worker(
     node_config: Mapping[str, Any],
     node_id: int,
@@ -123,13 +134,7 @@ def call_worker(
     state: bytes,
 ) -> tuple[bytes, bytes]:
     """Hand one message (and the node's state) to the node's worker, starting it if needed."""
-    path = socket_path(node_config, node_id, run_config)
-    idle = float(run_config.get("worker-idle-timeout", DEFAULT_IDLE_TIMEOUT))
-    try:
-        conn = _connect(path, None)
-    except OSError:
-        _start_worker(path, run_config, idle, float(run_config.get("worker-start-timeout", DEFAULT_START_TIMEOUT)))
-        conn = _connect(path, None)
+    conn = _connect(ensure_worker(node_config, node_id, run_config), None)
     header = json.dumps({"partition-id": int(node_config["partition-id"])}).encode()
     with conn:
         try:
