@@ -90,6 +90,24 @@ def prompt_output(model: PromptedClassifier, z: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+@torch.no_grad()
+def latent_fidelity(
+    generator: LatentGenerator, teachers: list[Teacher], histogram: torch.Tensor, allowed: torch.Tensor, info: RoundInfo
+) -> float:
+    """Diagnostic: the fraction of 256 generated latents that the label-weighted teachers' heads classify as the
+    label they were generated for (1.0: the generator found each class's region; chance: it learned nothing).
+    Drawn from its own generators and with the global RNG restored, so logging it leaves the run unchanged."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(info.task * 1000 + info.round)
+        y = sample_labels(histogram, 256, torch.Generator().manual_seed(info.task * 1000 + info.round))
+        y = y.to(allowed.device)
+        z = generator(y)
+        probs = sum(
+            t.weight.to(z.device)[y, None] * F.softmax(t.logits(z).masked_fill(~allowed, -1e9), 1) for t in teachers
+        )
+    return float((probs.argmax(1) == y).float().mean())  # type: ignore[union-attr]
+
+
 class LabelCountingClient(SupervisedClient):
     """Stateless client that also uploads its per-logit label counts (what the HePCo server weights by)."""
 
@@ -144,7 +162,10 @@ class HePCoServer(PreviousTaskServer):
             g_new, teachers, student.head, student_prompts, hist_new, seen, p.generator_iterations,
             p.kd_batch_size, p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
         )  # fmt: skip
-        metrics = {"generator_loss": losses[-1] if losses else float("nan")}
+        metrics = {
+            "generator_loss": losses[-1] if losses else float("nan"),
+            "generator_fidelity": latent_fidelity(g_new, teachers, hist_new, seen, info),
+        }
         g_old, prev_teacher, hist_old = None, None, None
         old = self.cumulative.clone()
         old[space.tasks[info.task].logits[0] :] = 0
@@ -159,6 +180,7 @@ class HePCoServer(PreviousTaskServer):
                 p.generator_iterations + p.generator_extra_per_task * info.task, p.kd_batch_size,
                 p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
             )  # fmt: skip
+            metrics["old_generator_fidelity"] = latent_fidelity(g_old, [prev_teacher], hist_old, seen, info)
         n_old = round(p.kd_batch_size * p.replay_ratio)
 
         def latents() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
