@@ -212,7 +212,10 @@ def build_clip(cfg: BackboneConfig) -> FrozenCLIP:
         model = open_clip.model.CLIP(**model_cfg)
     if cfg.weights:
         state = read_state_dict(Path(cfg.weights))
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # shape mismatches
+            raise BackboneError(f"{cfg.weights} does not fit open_clip {cfg.name} with kwargs {cfg.kwargs}: {e}") from None
         if missing or unexpected:
             raise BackboneError(
                 f"{cfg.weights} does not fit open_clip {cfg.name} with kwargs {cfg.kwargs}: missing {missing[:5]}, "
