@@ -215,7 +215,7 @@ def build_clip(cfg: BackboneConfig) -> FrozenCLIP:
         try:
             missing, unexpected = model.load_state_dict(state, strict=False)
         except RuntimeError as e:  # shape mismatches
-            raise BackboneError(f"{cfg.weights} does not fit open_clip {cfg.name} with kwargs {cfg.kwargs}: {e}") from None
+            raise BackboneError(f"{cfg.weights} does not fit open_clip {cfg.name} ({cfg.kwargs}): {e}") from None
         if missing or unexpected:
             raise BackboneError(
                 f"{cfg.weights} does not fit open_clip {cfg.name} with kwargs {cfg.kwargs}: missing {missing[:5]}, "
