@@ -88,7 +88,8 @@ def runtime():
     return Runtime.build(build_config(tiny_lt_raw()))
 
 
-def test_only_the_true_class_rows_of_p_c_change_after_a_step(runtime) -> None:
+@pytest.mark.parametrize("ca_text", ["integrated", "class"])
+def test_only_the_true_class_rows_of_p_c_change_after_a_step(runtime, ca_text) -> None:
     from promptfcl.methods.capt import capt_loss
 
     server, _ = runtime.programs()
@@ -97,7 +98,7 @@ def test_only_the_true_class_rows_of_p_c_change_after_a_step(runtime) -> None:
     x = torch.rand(4, 3, 32, 32)
     y = torch.tensor([1, 3, 3, 1])
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    loss = capt_loss(torch.full((6,), 1 / 6), 1.0, "class")(model, x, y, torch.ones(6, dtype=torch.bool))
+    loss = capt_loss(torch.full((6,), 1 / 6), 1.0, ca_text)(model, x, y, torch.ones(6, dtype=torch.bool))
     loss.backward()
     opt.step()
     after = model.get_state()

@@ -11,12 +11,13 @@ length], J = 9 [I: MaPLe], λ = 1, SGD lr 1e-3, batch 32, 1 local epoch (App. B)
 Client (Algorithm 1, local training): L = L_ge + λ·L_ca (Eq. 4) on z':
 - L_ge (Eq. 1): CE over logit_scale·cos(t_g^j, z'), t_g^j = g([P_g, CLASS_j]) (the printed denominator's index
   typo is read as the standard softmax);
-- L_ca (Eq. 2): −log(π_y e^{s_y} / Σ_j π_j e^{s_j}), s_j = logit_scale·cos(t_c^j, z'), t_c^j = g([P_c^j, CLASS_j]),
-  π the global class prior from the clients' uploaded label counts (balanced-softmax form); "only the prompt of
-  the true class is updated": each sample's L_ca reaches P_c only through its own class's row (the other
-  rows' text features are detached for that sample).
-- `ca_text: integrated` [switch] uses the integrated t_i = g([P_g, P_c^i, CLASS_i]) in L_ca and at inference.
-- Inference [I]: the mean of the general and class-aware cosine logits (plain, not prior-adjusted), or t_i.
+- L_ca (Eq. 2): −log(π_y e^{s_y} / Σ_j π_j e^{s_j}), s_j = logit_scale·cos(t^j, z'), π the global class prior from
+  the clients' uploaded label counts (balanced-softmax form); "only the prompt of the true class is updated":
+  each sample's L_ca reaches P_c only through its own class's row (the other rows' text features are detached
+  for that sample). Text feature t^j [I, switch `ca_text`]: default the integrated t_i = g([P_g, P_c^i, CLASS_i])
+  that §3.2 introduces for the joint objective (also the inference feature); `class` = Eq. 2's t_c^j =
+  g([P_c^j, CLASS_j]) as printed, with inference on the mean of the general and class-aware logits (or `inference`).
+- Inference: plain (not prior-adjusted) cosine logits of t_i.
 The client keeps its P_g, P_c and F in its state between participations and uploads P_g, P_c, its label counts
 (and F in rounds that end with a global synchronisation [I: F is only averaged there]).
 
@@ -85,7 +86,9 @@ class CaptParams(ClipFedAvgParams):
     depth: int = Field(9, ge=1, description="J, MaPLe depth of the general prompt and its vision prompts [I]")
     coupling: bool = Field(True, description="vision-language coupling F (Eq. 3)")
     lam: float = Field(1.0, ge=0, description="λ of Eq. 4")
-    ca_text: Literal["class", "integrated"] = Field("class", description="text feature of L_ca: Eq. 2's t_c, or t_i")
+    ca_text: Literal["auto", "integrated", "class"] = Field(
+        "auto", description="text feature of L_ca and at inference: t_i (auto when M, T > 0) or Eq. 2's t_c"
+    )
     clustering: bool = Field(True, description="false: FedAvg of everything every round (ablation w/o Clu.)")
     sim_clusters: int = Field(3, gt=0, description="K of the similarity clustering (P_c)")
     het_clusters: int = Field(4, gt=0, description="K of the heterogeneity clustering (P_g); App. D best = 4")
@@ -106,14 +109,21 @@ class CaptParams(ClipFedAvgParams):
         if self.n_ctx == 0 and self.class_ctx == 0:
             raise ValueError("CAPT needs a general (n_ctx) or class-aware (class_ctx) prompt")
         if self.ca_text == "integrated" and not (self.n_ctx and self.class_ctx):
-            raise ValueError("ca_text: integrated needs both n_ctx > 0 and class_ctx > 0")
+            raise ValueError("ca_text: integrated needs both n_ctx > 0 and class_ctx > 0; use ca_text: auto")
         if any(a <= 0 for a in self.arms):
             raise ValueError("bandit arms are sync periods in rounds: all must be positive")
         return self
 
+    @property
+    def ca_variant(self) -> str:
+        """The text variant L_ca uses: integrated t_i when both prompts exist (auto), else t_c."""
+        if self.ca_text == "auto":
+            return "integrated" if self.n_ctx and self.class_ctx else "class"
+        return self.ca_text
+
 
 def build_model(env: MethodEnv, p: CaptParams) -> ClipClassifier:
-    if p.ca_text == "integrated" and p.inference == "auto":
+    if p.ca_variant == "integrated" and p.inference == "auto":
         p = p.model_copy(update={"inference": "integrated"})
     return build_clip_model(env, p)
 
@@ -188,7 +198,7 @@ class CaptClient(SupervisedClient):
         return torch.bincount(ctx.train_data.targets, minlength=self.env.label_space.num_logits).float()
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
-        return capt_loss(message.tensors["prior"], self.params.lam, self.params.ca_text)
+        return capt_loss(message.tensors["prior"], self.params.lam, self.params.ca_variant)
 
 
 # --------------------------------------------------------------------------------------------- server
