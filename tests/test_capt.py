@@ -239,3 +239,28 @@ def test_clip_baselines_run_end_to_end(tmp_path, method) -> None:
     assert 0.0 <= metrics["summary"]["class_groups"]["tail"] <= 100.0
     learnable = sum(p.numel() for p in exp.server.global_model().parameters())
     assert (learnable == 0) == (method == "clip_zeroshot")
+
+
+@pytest.mark.slow
+def test_capt_resume_mid_run_equals_uninterrupted_run(tmp_path) -> None:
+    """Server state (bandit, counts, clusters' inputs) and client states (cluster prompts) checkpoint exactly."""
+    from promptfcl.experiment import Experiment
+
+    raw = tiny_lt_raw(method={"arms": [1, 2]}, scenario={"rounds_per_task": 4})
+    reference = Experiment(build_config(raw), tmp_path / "ref", show_progress=False).run()
+
+    exp = Experiment(build_config(raw), tmp_path / "cut", show_progress=False)
+    original, done = exp._run_round, []
+
+    def interrupted(task: int, rnd: int) -> None:
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        original(task, rnd)
+        done.append(rnd)
+
+    exp._run_round = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        exp.run()
+    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    strip = lambda m: {k: v for k, v in m.items() if k != "timing"}  # noqa: E731
+    assert strip(resumed) == strip(reference)
