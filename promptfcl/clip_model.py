@@ -8,7 +8,9 @@ What is learnable (and so what travels) is chosen by `ClipPromptParams`:
   context (J−1, M, w) at the positions of P_g;
 - `coupling`: MaPLe's coupling function F, one Linear(w_text → w_vision) per depth, mapping the general text
   prompt of layer j to the vision prompt of layer j (CAPT Eq. 3: z' = f([x, F(P_g)]));
-- `adapter_hidden`: FedCLIP's attention adapter on the image feature, softmax(W2 tanh(W1 z)) ⊙ z.
+- `adapter_hidden`: FedCLIP's attention adapter on the image feature, softmax(W2 tanh(W1 z)) ⊙ z;
+- `conditional`: CoCoOp's meta-net Linear(e, e/16)–ReLU–Linear(e/16, w) on the image feature, whose output is
+  added to every general context vector, so each image gets its own class texts (B × C text-encoder passes).
 
 Text sequences are the CoOp layout `[SOS] [P_g] [P_c^i] CLASS_i . [EOS]`: placeholder tokens whose embeddings are
 replaced by the context vectors. With no learnable text context the class texts are the fixed `template`
@@ -43,6 +45,7 @@ class ClipPromptParams(BaseModel):
     ctx_init: str | None = Field("a photo of a", description="initialise contexts from these words when lengths fit")
     template: str = Field("a photo of a {}.", description="class text when no context is learned")
     adapter_hidden: int | None = Field(None, gt=0, description="FedCLIP attention adapter hidden size")
+    conditional: bool = Field(False, description="CoCoOp: a meta-net shifts the general context by π(image)")
     inference: Inference = Field(
         "auto", description="text features at test time; auto: general, class or ensemble by what exists"
     )
@@ -64,6 +67,8 @@ class ClipClassifier(ExchangedModel):
         object.__setattr__(self, "backbone", backbone)
         if p.depth > min(backbone.text_layers, backbone.vision_layers):
             raise ValueError(f"depth {p.depth} exceeds the CLIP encoders' layers")
+        if p.conditional and (p.n_ctx == 0 or p.class_ctx or p.coupling or p.depth > 1):
+            raise ValueError("conditional (CoCoOp) contexts need n_ctx > 0 and no class_ctx, coupling or depth")
         if p.coupling and p.n_ctx == 0:
             raise ValueError("the coupling maps the general prompt to vision prompts: it needs n_ctx > 0")
         self.p = p
@@ -98,6 +103,9 @@ class ClipClassifier(ExchangedModel):
             self.adapter = nn.Sequential(
                 nn.Linear(e, p.adapter_hidden), nn.Tanh(), nn.Linear(p.adapter_hidden, e), nn.Softmax(dim=1)
             ).to(device)
+        if p.conditional:
+            e, hidden = backbone.embed_dim, max(1, backbone.embed_dim // 16)
+            self.meta_net = nn.Sequential(nn.Linear(e, hidden), nn.ReLU(), nn.Linear(hidden, w)).to(device)
         self._fixed: torch.Tensor | None = None
 
     def _init_words(self, words: str | None) -> torch.Tensor | None:
@@ -136,6 +144,19 @@ class ClipClassifier(ExchangedModel):
             return None
         return {j: f(pg) for j, (f, pg) in enumerate(zip(self.coupling, self.general_layers(), strict=True))}
 
+    def conditional_text_features(self, z: torch.Tensor) -> torch.Tensor:
+        """CoCoOp: per-image class-text features (B, C, e) from the context shifted by meta_net(z)."""
+        embeds, tokens = self.embeds_general, self.tokens_general
+        b, (c, length, w) = z.shape[0], embeds.shape
+        ctx = self.ctx.unsqueeze(0) + self.meta_net(z).unsqueeze(1)  # (B, M, w)
+        parts = [
+            embeds[:, :1].unsqueeze(0).expand(b, -1, -1, -1),
+            ctx.unsqueeze(1).expand(-1, c, -1, -1),
+            embeds[:, 1 + ctx.shape[1] :].unsqueeze(0).expand(b, -1, -1, -1),
+        ]
+        flat = torch.cat(parts, dim=2).reshape(b * c, length, w)
+        return self.backbone.encode_text(flat, tokens.repeat(b, 1)).reshape(b, c, -1)
+
     def text_features(self, variant: Variant) -> torch.Tensor:
         """Normalised class-text features (C, e) of one prompt variant."""
         if variant == "fixed":
@@ -171,6 +192,8 @@ class ClipClassifier(ExchangedModel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.image_features(x)
+        if hasattr(self, "meta_net"):
+            return self.backbone.logit_scale * torch.einsum("be,bce->bc", z, self.conditional_text_features(z))
         mode = self.inference
         if mode == "ensemble":
             general = self.cosine_logits(z, self.text_features("general"))

@@ -226,11 +226,11 @@ def test_capt_runs_end_to_end_and_its_state_round_trips(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["promptfl", "maple_fedavg", "fedclip", "clip_zeroshot"])
+@pytest.mark.parametrize("method", ["promptfl", "maple_fedavg", "cocoop_fedavg", "fedclip", "clip_zeroshot"])
 def test_clip_baselines_run_end_to_end(tmp_path, method) -> None:
     from promptfcl.experiment import Experiment
 
-    extra = {"depth": 2} if method == "maple_fedavg" else {}
+    extra = {"depth": 2 if method == "maple_fedavg" else 1}
     cfg = build_config(
         tiny_lt_raw(method={"name": method, "lr": 0.05, "batch_size": 16, **extra}, scenario={"rounds_per_task": 1})
     )

@@ -106,3 +106,20 @@ def test_context_vectors_sit_before_the_class_name_and_zero_shot_uses_the_templa
     texts = clip.tokenize([f"a photo of a {n}." for n in names])
     expected = clip.logit_scale * clip.encode_image(x) @ clip.encode_text(clip.token_embeddings(texts), texts).t()
     assert torch.allclose(zs(x), expected, atol=1e-4)
+
+
+def test_cocoop_context_is_conditioned_on_the_image(clip) -> None:
+    from promptfcl.clip_model import ClipClassifier, ClipPromptParams
+
+    m = ClipClassifier(clip, ["cat", "dog", "bird"], ClipPromptParams(n_ctx=2, conditional=True))
+    x = torch.rand(2, 3, 32, 32)
+    z = m.image_features(x)
+    t = m.conditional_text_features(z)
+    assert t.shape == (2, 3, clip.embed_dim) and (t[0] - t[1]).abs().max() > 1e-6
+    with torch.no_grad():
+        m.meta_net[2].weight.zero_()
+        m.meta_net[2].bias.zero_()
+    t = m.conditional_text_features(z)  # zero shift: CoOp's texts for every image
+    assert torch.allclose(t[0], m.text_features("general"), atol=1e-5) and torch.allclose(t[1], t[0], atol=1e-5)
+    m(x).sum().backward()
+    assert m.meta_net[2].weight.grad.abs().sum() > 0

@@ -123,6 +123,11 @@ class CaptParams(ClipFedAvgParams):
 
 
 def build_model(env: MethodEnv, p: CaptParams) -> ClipClassifier:
+    if env.label_space.num_tasks != 1:
+        raise ValueError(
+            "capt is a static (single-task) method: use scenario.kind: long_tailed, or num_tasks: 1 "
+            "(the continual variant is not implemented)"
+        )
     if p.ca_variant == "integrated" and p.inference == "auto":
         p = p.model_copy(update={"inference": "integrated"})
     return build_clip_model(env, p)

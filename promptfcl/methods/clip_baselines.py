@@ -7,6 +7,9 @@ logits (the shared `SupervisedClient`) and the server takes the sample-weighted 
 - `promptfl` (Guo et al., TMC 2024): CoOp context vectors shared by all classes, FedAvg'd.
 - `maple_fedavg` (Khattak et al., CVPR 2023 + FedAvg): deep language prompts in layers 0..J−1 and vision prompts
   produced from them by the coupling function (one Linear per depth), all FedAvg'd. MaPLe's J = 9.
+- `cocoop_fedavg` (Zhou et al., CVPR 2022 + FedAvg): CoOp context shifted per image by a meta-net
+  (Linear(e, e/16)–ReLU–Linear(e/16, w)) on the image feature, context and meta-net FedAvg'd. Each image needs
+  its own C class texts, so a step costs B × C text-encoder passes (kept out of the CPU-scale study).
 - `fedclip` (Lu et al., IEEE DEB 2023): an attention adapter softmax(W2·tanh(W1·z))⊙z on the frozen image feature,
   hidden size 128 (CAPT App. B), against the hand-crafted class texts "a photo of a {class}.", FedAvg'd.
 - `clip_zeroshot`: no training; the hand-crafted class texts (the reference row of CAPT's Fig. 1 and 3).
@@ -14,8 +17,7 @@ logits (the shared `SupervisedClient`) and the server takes the sample-weighted 
 Defaults from CAPT App. B: SGD, constant lr 1e-3, batch 32, 1 local epoch, prompt length 4, weights averaged
 by sample counts. Inferred (not stated): momentum 0.9 and no weight decay (CoOp's SGD), no gradient
 clipping, context initialised from the embeddings of "a photo of a" (CoOp / MaPLe), horizontal-flip
-augmentation. Not implemented: CoCoOp + FedAvg (image-conditioned contexts need one text-encoder pass per
-image and class; too slow for the CPU scale), FedTPG, FedOTP, FedPGP, KgCoOp, CLIP-LoRA.
+augmentation. Not implemented: FedTPG, FedOTP, FedPGP, KgCoOp, CLIP-LoRA.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class MapleParams(ClipFedAvgParams):
 
     depth: int = Field(9, ge=1)
     coupling: bool = True
+
+
+class CoCoOpParams(ClipFedAvgParams):
+    """CoCoOp: image-conditioned general context."""
+
+    conditional: bool = True
 
 
 class FedClipParams(ClipFedAvgParams):
@@ -94,6 +102,15 @@ register_method(
     build_clip_model,
     "CLIP + MaPLe deep text prompts coupled to vision prompts, FedAvg",
     "MaPLe (Khattak et al., CVPR 2023) + FedAvg; CAPT Table 2",
+)
+register_method(
+    "cocoop_fedavg",
+    CoCoOpParams,
+    FedAvgServer,
+    SupervisedClient,
+    build_clip_model,
+    "CLIP + CoCoOp image-conditioned context (meta-net), FedAvg",
+    "CoCoOp (Zhou et al., CVPR 2022) + FedAvg; CAPT Table 2",
 )
 register_method(
     "fedclip",
