@@ -264,3 +264,25 @@ def test_capt_resume_mid_run_equals_uninterrupted_run(tmp_path) -> None:
     resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
     strip = lambda m: {k: v for k, v in m.items() if k != "timing"}  # noqa: E731
     assert strip(resumed) == strip(reference)
+
+
+@pytest.mark.slow
+def test_continual_extension_runs_class_incremental_and_is_refused_without_the_flag(tmp_path) -> None:
+    from promptfcl.config import ConfigError
+    from promptfcl.experiment import Experiment
+
+    from .conftest import tiny_raw
+
+    raw = tiny_raw(scenario={"rounds_per_task": 2})
+    raw["backbone"] = tiny_lt_raw()["backbone"]
+    raw["method"] = {"name": "capt", "depth": 2, "lr": 0.05, "batch_size": 16, "arms": [1, 2]}
+    with pytest.raises(ConfigError, match="continual"):
+        Experiment(build_config(raw), tmp_path / "refused", show_progress=False).run()
+    raw["method"]["continual"] = True
+    exp = Experiment(build_config(raw), tmp_path / "ci", show_progress=False)
+    metrics = exp.run()
+    assert len(metrics["accuracy_matrix"]) == 2 and exp.server.counts_task == 1
+    new_classes = exp.scenario.label_space.tasks[1].logits
+    assert exp.server.counts[:, list(new_classes)].sum() > 0  # π of task 1 comes from task 1's counts
+    old = list(exp.scenario.label_space.tasks[0].logits)
+    assert exp.server.counts[:, old].sum() == 0

@@ -209,7 +209,10 @@ def build_clip(cfg: BackboneConfig) -> FrozenCLIP:
         return FrozenCLIP(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)  # a random-init backbone is a pure function of the config
-        model = open_clip.model.CLIP(**model_cfg)
+        try:
+            model = open_clip.model.CLIP(**model_cfg)
+        except TypeError as e:
+            raise BackboneError(f"backbone.kwargs do not fit open_clip's CLIP config: {e}") from None
     if cfg.weights:
         state = read_state_dict(Path(cfg.weights))
         try:

@@ -39,6 +39,12 @@ rounds that synchronise. The prior π [I]: label counts of all clients, asked on
 (`prior_source: participants` = counts of the clients seen so far). Distance metric and clusterer are
 pluggable (JS/KL/Wasserstein/TV/cosine; K-means/agglomerative/GMM/spectral), as in the paper's App. D.
 
+Extension beyond the paper (`continual: true`, off by default): CAPT in the class-incremental scenarios of the
+other methods. P_c has a row for every class of the run from the start (shapes never depend on the task, so
+averaging works); a task trains only its classes' logits (`train_logits`), π and the clusterings use the
+current task's label counts (re-asked at each task start), rows of classes not yet seen stay at their
+initialisation, and evaluation is the framework's task-agnostic one over the seen classes.
+
 Ablations (config): `clustering: false` (FedAvg of every part every round, no bandit), `class_ctx: 0`
 (general prompt only), `n_ctx: 0` + `coupling: false` (class-aware only), `coupling: false` (no V-L
 alignment), `scheduler: fixed` (no bandit; global sync every `sync_period` rounds).
@@ -103,6 +109,9 @@ class CaptParams(ClipFedAvgParams):
     bandit_eta: float | None = Field(None, gt=0, le=1, description="None: 1/N(a) (sample average)")
     bandit_value: Literal["paper", "mean"] = "paper"
     prior_source: Literal["all_clients", "participants"] = "all_clients"
+    continual: bool = Field(
+        False, description="extension beyond the paper: run in class-incremental scenarios (rows of P_c per class)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> CaptParams:
@@ -123,10 +132,10 @@ class CaptParams(ClipFedAvgParams):
 
 
 def build_model(env: MethodEnv, p: CaptParams) -> ClipClassifier:
-    if env.label_space.num_tasks != 1:
+    if env.label_space.num_tasks != 1 and not p.continual:
         raise ValueError(
-            "capt is a static (single-task) method: use scenario.kind: long_tailed, or num_tasks: 1 "
-            "(the continual variant is not implemented)"
+            "capt is a static (single-task) method: use scenario.kind: long_tailed (num_tasks: 1), or set "
+            "method.continual: true for promptfcl's class-incremental extension"
         )
     if p.ca_variant == "integrated" and p.inference == "auto":
         p = p.model_copy(update={"inference": "integrated"})
@@ -227,9 +236,17 @@ class CaptServer(ServerProgram):
         self.loss_ref: float | None = None  # mean participant loss at the last sync
         self.bytes_period = 0
         self.bytes_ref = 0
+        self.counts_task = 0  # the task the label counts (and so π) belong to
         self.general = self.model.part_names("general")
         self.cls = self.model.part_names("class")
         self.coupling = self.model.part_names("coupling")
+
+    def begin_task(self, task: int) -> None:
+        """Continual extension: π and the clusterings use the new task's label counts (idempotent on resume)."""
+        if task != self.counts_task:
+            self.counts[:] = 0
+            self.known = set()
+            self.counts_task = task
 
     # ---------------------------------------------------------------------------------------- helpers
     def period(self) -> int:
@@ -245,7 +262,7 @@ class CaptServer(ServerProgram):
 
     def head_and_tail(self) -> list[int]:
         total = self.counts.sum(0)
-        groups = class_groups({c: int(n) for c, n in enumerate(total)})
+        groups = class_groups({c: int(n) for c, n in enumerate(total) if n > 0})
         return sorted(groups["head"] + groups["tail"])
 
     def _class_mean(self, replies: list[Message], keep: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -365,6 +382,7 @@ class CaptServer(ServerProgram):
                 "loss_ref": self.loss_ref,
                 "bytes_period": self.bytes_period,
                 "bytes_ref": self.bytes_ref,
+                "counts_task": self.counts_task,
             },
         )
 
@@ -376,6 +394,7 @@ class CaptServer(ServerProgram):
         self.bandit.load_dict(s["bandit"])
         self.arm, self.since, self.loss_ref = int(s["arm"]), int(s["since"]), s["loss_ref"]
         self.bytes_period, self.bytes_ref = int(s["bytes_period"]), int(s["bytes_ref"])
+        self.counts_task = int(s["counts_task"])
 
 
 register_method(
