@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -65,10 +65,23 @@ class ParticipationConfig(StrictModel):
     mode: Literal["per_task", "per_round"] = "per_task"
 
 
-class ScenarioConfig(StrictModel):
-    """A class-incremental federated scenario: tasks, class order, clients, partition, schedule."""
+class LongTailConfig(StrictModel):
+    """`scenario.kind: long_tailed`: global exponential long-tail subsampling, then the client partition.
 
-    kind: Literal["class_incremental"] = "class_incremental"
+    Class c (in class order) keeps n_max·IF^(−c/(C−1)) training images (LDAM / CReFF); head / mid / tail classes
+    are those whose cumulative share of the sorted class counts, before them, is below `head_share` / below
+    `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
+    """
+
+    imbalance_factor: float = Field(100.0, ge=1, description="IF = n_max / n_min (CAPT: 100, 50, 10)")
+    head_share: float = Field(0.75, gt=0, lt=1)
+    mid_share: float = Field(0.95, gt=0, lt=1)
+
+
+class ScenarioConfig(StrictModel):
+    """A federated scenario: class-incremental tasks, or one static long-tailed task (`kind: long_tailed`)."""
+
+    kind: Literal["class_incremental", "long_tailed"] = "class_incremental"
     num_tasks: int = Field(10, gt=0)
     classes_per_task: int | list[int] | None = Field(
         None, description="classes in each task; default: all classes split evenly over num_tasks"
@@ -78,6 +91,15 @@ class ScenarioConfig(StrictModel):
     rounds_per_task: int = Field(5, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+    long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
+
+    @model_validator(mode="after")
+    def _long_tail_is_static(self) -> ScenarioConfig:
+        if self.kind == "long_tailed" and self.num_tasks != 1:
+            raise ValueError("a long_tailed scenario is one static task: set scenario.num_tasks: 1")
+        if self.long_tail.mid_share <= self.long_tail.head_share:
+            raise ValueError("scenario.long_tail.mid_share must exceed head_share")
+        return self
 
     @field_validator("classes_per_task")
     @classmethod
@@ -89,13 +111,19 @@ class ScenarioConfig(StrictModel):
 
 
 class BackboneConfig(StrictModel):
-    """The frozen ViT: a timm model name, where its weights come from, and its input convention."""
+    """The frozen backbone: a timm ViT (default) or an open_clip CLIP (`kind: clip`, the `promptfcl[clip]` extra),
+    where its weights come from, and its input convention."""
 
+    kind: Literal["timm", "clip"] = Field("timm", description="timm ViT, or open_clip CLIP (image + text towers)")
     name: str = "vit_tiny_patch16_224"
     img_size: int = Field(224, gt=0)
     pretrained: bool = Field(False, description="download weights from the hub (needs internet)")
+    tag: str = Field("openai", description="clip only: the open_clip pretrained tag used when pretrained is true")
     weights: str | None = Field(None, description="local .safetensors or weights_only torch checkpoint")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra timm.create_model arguments")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra timm.create_model arguments; clip: overrides deep-merged into open_clip's model config",
+    )
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
@@ -120,6 +148,11 @@ class EvalConfig(StrictModel):
 
     every_round: bool = Field(False, description="also evaluate after every round (slower)")
     batch_size: int = Field(256, gt=0)
+    class_groups: bool | None = Field(
+        None,
+        description="report overall/head/mid/tail accuracy (static long-tailed evaluation); "
+        "default: whenever the scenario defines class groups (scenario.kind: long_tailed)",
+    )
 
 
 class MethodConfig(BaseModel):

@@ -18,7 +18,7 @@ from rich.table import Table
 from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.evaluation.evaluator import Evaluator
-from promptfcl.evaluation.metrics import accuracy_curve, summarize
+from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import Grid, RoundInfo
@@ -68,8 +68,17 @@ class Experiment:
             )
         else:
             self.grid = self.grid_factory(rt)
+        groups = self.cfg.eval.class_groups
+        self.class_groups = self.scenario.class_groups if groups is not False else None
+        if groups and self.class_groups is None:
+            raise ConfigError("eval.class_groups: the scenario defines no class groups; use scenario.kind: long_tailed")
         self.evaluator = Evaluator(
-            self.dataset.test, self.scenario, rt.env.eval_transform, self.cfg.eval.batch_size, self.device
+            self.dataset.test,
+            self.scenario,
+            rt.env.eval_transform,
+            self.cfg.eval.batch_size,
+            self.device,
+            per_class=self.class_groups is not None,
         )
         self.setup_seconds = time.perf_counter() - t0
 
@@ -149,10 +158,14 @@ class Experiment:
             results = self.evaluator.evaluate(self.server.global_model(), task)
             timing["eval_seconds"] += time.perf_counter() - t1
             entry["accuracy"] = [r.accuracy for r in results]
+            if self.class_groups is not None:
+                entry["class_groups"] = self._group_accuracy(results)
             if last:
                 self.state["accuracy_matrix"].append([r.accuracy for r in results])
                 self.state["correct"] = [r.correct for r in results]
                 self.state["total"] = [r.total for r in results]
+                if self.class_groups is not None:
+                    self.state["class_groups"] = entry["class_groups"]
         self.state["rounds"].append(clean_json(entry))
         write_rounds(self.run_dir, self.state["rounds"])
         nxt = (task + 1, 0) if last else (task, rnd + 1)
@@ -160,6 +173,15 @@ class Experiment:
             self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
         )
         self.progress.round_done()
+
+    def _group_accuracy(self, results: list[Any]) -> dict[str, float]:
+        """Overall / head / mid / tail accuracy over every evaluated task's test images."""
+        correct: dict[int, int] = {}
+        total: dict[int, int] = {}
+        for r in results:
+            correct.update(r.class_correct or {})
+            total.update(r.class_total or {})
+        return class_group_accuracy(correct, total, self.class_groups or {})
 
     def _finish(self) -> dict[str, Any]:
         A = self.state["accuracy_matrix"]
@@ -175,7 +197,10 @@ class Experiment:
             "method": self.spec.name,
             "run": self.cfg.run_name(),
             "seed": self.cfg.seed,
-            "summary": summarize(A, self.state["correct"], self.state["total"]),
+            "summary": {
+                **summarize(A, self.state["correct"], self.state["total"]),
+                **({"class_groups": self.state["class_groups"]} if "class_groups" in self.state else {}),
+            },
             "accuracy_matrix": A,
             "accuracy_curve": accuracy_curve(A),
             "communication": {

@@ -18,17 +18,18 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from promptfcl import __version__
-from promptfcl.backbones.vit import BackboneError, FrozenViT, build_vit
+from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
+from promptfcl.scenario.long_tail import build_scenario
 from promptfcl.scenario.partition import PartitionError
-from promptfcl.scenario.scenario import Scenario, build_class_incremental, task_class_counts
+from promptfcl.scenario.scenario import Scenario, task_class_counts
 from promptfcl.seeding import numpy_rng
 
-_BACKBONES: dict[str, FrozenViT] = {}
+_BACKBONES: dict[str, Any] = {}
 
 
 def _lookup(registry: Any, name: str, key: str) -> Any:
@@ -90,9 +91,12 @@ def _check_data(cfg: ExperimentConfig) -> None:
 
 
 def _check_backbone(cfg: ExperimentConfig) -> None:
+    b = cfg.backbone
+    if b.kind == "clip":
+        _check_clip_backbone(cfg)
+        return
     import timm
 
-    b = cfg.backbone
     if not timm.is_model(b.name):
         raise ConfigError(
             f"backbone.name: timm has no model {b.name!r} (try vit_tiny_patch16_224, "
@@ -110,6 +114,21 @@ def _check_backbone(cfg: ExperimentConfig) -> None:
         )
 
 
+def _check_clip_backbone(cfg: ExperimentConfig) -> None:
+    from promptfcl.backbones.clip import clip_model_config
+
+    try:
+        clip_model_config(cfg.backbone)
+    except BackboneError as e:
+        raise ConfigError(f"backbone: {e}") from None
+    w = cfg.backbone.weights
+    if w and not Path(w).is_file():
+        raise ConfigError(
+            f"backbone.weights: file {w!r} not found; give the path of an open_clip .safetensors (e.g. "
+            "open_clip_model.safetensors of timm/vit_base_patch16_clip_224.openai) or weights-only torch checkpoint"
+        )
+
+
 def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
     spec, options = resolve_dataset_options(cfg)
     ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
@@ -119,11 +138,16 @@ def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
     return ds
 
 
-def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> FrozenViT:
+def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> Any:
     """One frozen backbone per (config, device) in this process, shared by every client and every run."""
     key = json.dumps([cfg.backbone.model_dump(mode="json"), str(device)], sort_keys=True)
     if key not in _BACKBONES:
-        _BACKBONES[key] = build_vit(cfg.backbone).to(device)
+        if cfg.backbone.kind == "clip":
+            from promptfcl.backbones.clip import build_clip
+
+            _BACKBONES[key] = build_clip(cfg.backbone).to(device)
+        else:
+            _BACKBONES[key] = build_vit(cfg.backbone).to(device)
     return _BACKBONES[key]
 
 
@@ -176,7 +200,7 @@ class Runtime:
             scenario = Scenario.load(scenario_file)
         else:
             try:
-                scenario = build_class_incremental(
+                scenario = build_scenario(
                     cfg.scenario,
                     dataset.train.targets.numpy(),
                     dataset.test.targets.numpy(),
@@ -192,7 +216,13 @@ class Runtime:
         backbone.enable_query_cache(False)  # every run starts with an empty cache; pool methods opt in
         b = cfg.backbone
         eval_tf = ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
-        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed)
+        # class names in logit order (CLIP methods build class texts from them)
+        names = [""] * scenario.label_space.num_logits
+        for c, j in enumerate(scenario.label_space.class_to_logit.tolist()):
+            if j >= 0:
+                names[j] = dataset.class_names[c]
+        extras = {"class_names": names, "num_clients": scenario.num_clients}
+        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras)
         return cls(cfg, spec, params, device, dataset, scenario, env)
 
     def programs(self) -> tuple[ServerProgram, ClientProgram]:

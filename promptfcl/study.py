@@ -166,33 +166,44 @@ COLUMNS = [
 ]
 
 
+GROUP_COLUMNS = [
+    (f"{g} (%)", lambda m, g=g: m["summary"]["class_groups"][g]) for g in ("overall", "head", "mid", "tail")
+]
+
+
 def summarize_study(study: StudyConfig, runs: list[StudyRun], out: Path) -> str:
-    """Mean ± std over seeds per cell → summary.md / .csv / .json; returns the Markdown table."""
+    """Mean ± std over seeds per cell → summary.md / .csv / .json; returns the Markdown table.
+
+    Long-tailed studies (runs that report class groups) get overall / head / mid / tail columns first."""
     rows: list[dict[str, Any]] = []
+    loaded = [json.loads((r.run_dir / "metrics.json").read_text()) for r in runs if r.finished]
+    columns = COLUMNS
+    if loaded and all("class_groups" in m["summary"] for m in loaded):
+        columns = GROUP_COLUMNS + [c for c in COLUMNS if c[0] not in ("forgetting (%)", "BWT (%)")]
     for cell in study.cells:
         done = [r for r in runs if r.cell == cell and r.finished]
         metrics = [json.loads((r.run_dir / "metrics.json").read_text()) for r in done]
         row: dict[str, Any] = {"cell": cell, "method": metrics[0]["method"] if metrics else "", "seeds": len(done)}
-        for col, get in COLUMNS:
+        for col, get in columns:
             row[col] = _mean_std([float(get(m)) for m in metrics]) if metrics else None
         rows.append(row)
-    header = "| cell | method | seeds | " + " | ".join(c for c, _ in COLUMNS) + " |"
-    lines = [header, "|" + " --- |" * (3 + len(COLUMNS))]
+    header = "| cell | method | seeds | " + " | ".join(c for c, _ in columns) + " |"
+    lines = [header, "|" + " --- |" * (3 + len(columns))]
     for row in rows:
         cells = [
             "not run"
             if row[c] is None
             else (f"{row[c][0]:.2f} ± {row[c][1]:.2f}" if row["seeds"] > 1 else f"{row[c][0]:.2f}")
-            for c, _ in COLUMNS
+            for c, _ in columns
         ]
         lines.append(f"| {row['cell']} | {row['method']} | {row['seeds']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     atomic_write_text(out / "summary.md", f"# {study.name}\n\n{table}\n")
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["cell", "method", "seeds"] + [f"{c} {s}" for c, _ in COLUMNS for s in ("mean", "std")])
+    w.writerow(["cell", "method", "seeds"] + [f"{c} {s}" for c, _ in columns for s in ("mean", "std")])
     for row in rows:
-        vals = [x for c, _ in COLUMNS for x in (row[c] or ("", ""))]
+        vals = [x for c, _ in columns for x in (row[c] or ("", ""))]
         w.writerow([row["cell"], row["method"], row["seeds"], *vals])
     atomic_write_text(out / "summary.csv", buf.getvalue())
     atomic_write_text(out / "summary.json", json.dumps({"study": study.name, "rows": rows}, indent=2))

@@ -127,7 +127,7 @@ class FrozenViT(nn.Module):
             self.query_cache = QueryCache()
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise BackboneError(
             f"backbone weights file {path} not found; set backbone.weights to an existing "
@@ -169,7 +169,7 @@ def build_vit(cfg: BackboneConfig) -> FrozenViT:
             "the weights in a local .safetensors file and set backbone.weights: PATH and backbone.pretrained: false"
         ) from None
     if cfg.weights:
-        state = {k: v for k, v in _read_state_dict(Path(cfg.weights)).items() if not k.startswith("head.")}
+        state = {k: v for k, v in read_state_dict(Path(cfg.weights)).items() if not k.startswith("head.")}
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("head.")]
         if missing or unexpected:

@@ -21,6 +21,8 @@ class TaskResult:
     task: int
     correct: int
     total: int
+    class_correct: dict[int, int] | None = None  # real class id → correct (when class groups are reported)
+    class_total: dict[int, int] | None = None
 
     @property
     def accuracy(self) -> float:
@@ -38,12 +40,14 @@ class Evaluator:
         batch_size: int,
         device: torch.device,
         regime: str = "task_agnostic",
+        per_class: bool = False,
     ) -> None:
         self.scenario = scenario
         self.transform = transform
         self.batch_size = batch_size
         self.device = device
         self.regime = regime
+        self.per_class = per_class  # tally per real class (head/mid/tail accuracy)
         space = scenario.label_space
         self.subsets = [LabeledSubset.of(test, idx, space.class_to_logit) for idx in scenario.test_indices]
 
@@ -56,8 +60,18 @@ class Evaluator:
         for task in range(after_task + 1):
             mask = space.eval_mask(task, after_task, self.regime).to(self.device)
             correct = 0
+            hits = torch.zeros(space.num_logits, dtype=torch.long)
+            seen = torch.zeros(space.num_logits, dtype=torch.long)
             for x, y in self.subsets[task].batches(self.batch_size, self.transform, device=self.device):
                 pred = masked_logits(model(x), mask).argmax(dim=1)
                 correct += int((pred == y).sum())
-            results.append(TaskResult(task, correct, len(self.subsets[task])))
+                if self.per_class:
+                    hits += torch.bincount(y[pred == y].cpu(), minlength=space.num_logits)
+                    seen += torch.bincount(y.cpu(), minlength=space.num_logits)
+            result = TaskResult(task, correct, len(self.subsets[task]))
+            if self.per_class:
+                real = {j: c for c, j in enumerate(space.class_to_logit.tolist()) if j >= 0}
+                result.class_correct = {real[j]: int(hits[j]) for j in range(space.num_logits) if seen[j]}
+                result.class_total = {real[j]: int(seen[j]) for j in range(space.num_logits) if seen[j]}
+            results.append(result)
         return results

@@ -56,6 +56,21 @@ def sample_weighted_accuracy(correct: Sequence[int], total: Sequence[int]) -> fl
     return 100.0 * sum(correct) / n if n else math.nan
 
 
+def class_group_accuracy(
+    class_correct: dict[int, int], class_total: dict[int, int], groups: dict[str, list[int]]
+) -> dict[str, float]:
+    """Static long-tailed evaluation (CAPT, FedLoGe): top-1 accuracy (%) over the whole (balanced) test set and
+    over the test images of the head, mid and tail classes."""
+
+    def acc(classes: Sequence[int]) -> float:
+        n = sum(class_total.get(c, 0) for c in classes)
+        return 100.0 * sum(class_correct.get(c, 0) for c in classes) / n if n else math.nan
+
+    out = {"overall": acc(list(class_total))}
+    out.update({name: acc(classes) for name, classes in groups.items()})
+    return out
+
+
 def summarize(A: Matrix, correct: Sequence[int], total: Sequence[int]) -> dict[str, float]:
     """The headline numbers of a class-incremental run."""
     return {

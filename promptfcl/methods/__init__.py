@@ -1,7 +1,9 @@
 """Methods: each module registers a server program, a client program and its paper-default hyper-parameters."""
 
 from promptfcl.methods import (  # noqa: F401  (register)
+    capt,
     ccvr,
+    clip_baselines,
     fedavg_ft,
     fedavg_prompt,
     fedlwf_mc,

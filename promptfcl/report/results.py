@@ -49,7 +49,8 @@ def write_final(run_dir: Path, name: str, metrics: dict[str, Any]) -> None:
 
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     s, comm, t = metrics["summary"], metrics["communication"], metrics["timing"]
-    return [
+    groups = [(f"{g} accuracy (%)", f"{v:.2f}") for g, v in s.get("class_groups", {}).items()]
+    return groups + [
         ("FAA (%)", f"{s['faa']:.2f}"),
         ("sample-weighted accuracy (%)", f"{s['sample_weighted_accuracy']:.2f}"),
         ("average forgetting (%)", f"{s['average_forgetting']:.2f}"),

@@ -33,6 +33,7 @@ class Scenario:
     test_indices: list[np.ndarray]  # [task] → test indices
     participants: list[list[list[int]]]  # [task][round] → client ids
     num_clients: int
+    class_groups: dict[str, list[int]] | None = None  # long-tailed: "head"/"mid"/"tail" → real class ids
 
     @property
     def num_tasks(self) -> int:
@@ -73,6 +74,8 @@ class Scenario:
         }
         if train_targets is not None:
             out["client_class_counts"] = self.client_class_counts(train_targets).tolist()
+        if self.class_groups is not None:
+            out["class_groups"] = self.class_groups
         return out
 
     @classmethod
@@ -86,6 +89,7 @@ class Scenario:
             test_indices=[np.asarray(i, dtype=np.int64) for i in d["test_indices"]],
             participants=d["participants"],
             num_clients=d["num_clients"],
+            class_groups=d.get("class_groups"),
         )
 
     def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:

@@ -1,0 +1,408 @@
+"""CAPT: Class-Aware Prompt Tuning for federated long-tailed learning (Hou et al., arXiv 2503.06993).
+
+No official code exists; this is a reading of the paper with every unspecified choice marked [I] (see
+docs/methods/capt.md for the full list and the reasons).
+
+Model (§3.1–3.2): frozen CLIP; general prompt P_g (M context vectors, MaPLe-deep in layers 0..J−1),
+class-aware prompts P_c (C × T context vectors), coupling F (one Linear(w_text → w_vision) per depth) giving
+the vision prompts F(P_g) (Eq. 3, z' = f([x, F(P_g)])). Defaults M = T = 4 [I: the paper's baseline prompt
+length], J = 9 [I: MaPLe], λ = 1, SGD lr 1e-3, batch 32, 1 local epoch (App. B).
+
+Client (Algorithm 1, local training): L = L_ge + λ·L_ca (Eq. 4) on z':
+- L_ge (Eq. 1): CE over logit_scale·cos(t_g^j, z'), t_g^j = g([P_g, CLASS_j]) (the printed denominator's index
+  typo is read as the standard softmax);
+- L_ca (Eq. 2): −log(π_y e^{s_y} / Σ_j π_j e^{s_j}), s_j = logit_scale·cos(t^j, z'), π the global class prior from
+  the clients' uploaded label counts (balanced-softmax form); "only the prompt of the true class is updated":
+  each sample's L_ca reaches P_c only through its own class's row (the other rows' text features are detached
+  for that sample). Text feature t^j [I, switch `ca_text`]: default the integrated t_i = g([P_g, P_c^i, CLASS_i])
+  that §3.2 introduces for the joint objective (also the inference feature); `class` = Eq. 2's t_c^j =
+  g([P_c^j, CLASS_j]) as printed, with inference on the mean of the general and class-aware logits (or `inference`).
+- Inference: plain (not prior-adjusted) cosine logits of t_i.
+The client keeps its P_g, P_c and F in its state between participations and uploads P_g, P_c, its label counts
+(and F in rounds that end with a global synchronisation [I: F is only averaged there]).
+
+Server (Algorithm 1, §3.3, App. A):
+1. similarity clustering: pairwise JS divergence of the participants' label distributions (Eq. 5) → K-means
+   on the matrix rows, K_s = 3; P_c averaged within each cluster, class row c weighted by the members' counts
+   of class c [I; `pc_weighting: samples` = by sample counts] and sent to the members;
+2. heterogeneity clustering: complementarity over head ∪ tail classes (Eq. 6; groups by the 75 % / 95 %
+   cumulative thresholds of the global counts) → K_h = 4 (App. D's best grid point; main text 3) mixed-profile
+   clusters (`promptfcl.federation.clustering.complementary_clusters`, [I]); P_g averaged (by samples) within
+   each and sent to the members;
+3. a bandit (Eqs. 7–8; arms = global-sync periods {1, 2, 4, 8} [I]) decides when P_g, P_c and F are averaged
+   over the participants and sent to every client; reward [I] = relative decrease of the participants' mean
+   training loss since the previous synchronisation per unit of communication (bytes of the period / bytes of
+   the run's first round).
+The evaluated global model [I]: P_g and F the participants' sample-weighted means, P_c rows the class-count-
+weighted means (rows no participant holds keep their previous value) — exactly the synchronised prompts in
+rounds that synchronise. The prior π [I]: label counts of all clients, asked once before the first round
+(`prior_source: participants` = counts of the clients seen so far). Distance metric and clusterer are
+pluggable (JS/KL/Wasserstein/TV/cosine; K-means/agglomerative/GMM/spectral), as in the paper's App. D.
+
+Extension beyond the paper (`continual: true`, off by default): CAPT in the class-incremental scenarios of the
+other methods. P_c has a row for every class of the run from the start (shapes never depend on the task, so
+averaging works); a task trains only its classes' logits (`train_logits`), π and the clusterings use the
+current task's label counts (re-asked at each task start), rows of classes not yet seen stay at their
+initialisation, and evaluation is the framework's task-agnostic one over the seen classes.
+
+Ablations (config): `clustering: false` (FedAvg of every part every round, no bandit), `class_ctx: 0`
+(general prompt only), `n_ctx: 0` + `coupling: false` (class-aware only), `coupling: false` (no V-L
+alignment), `scheduler: fixed` (no bandit; global sync every `sync_period` rounds).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from promptfcl.clip_model import ClipClassifier
+from promptfcl.federation.aggregation import classwise_mean, weighted_mean
+from promptfcl.federation.bandit import BanditScheduler
+from promptfcl.federation.clustering import (
+    Clusterer,
+    Metric,
+    cluster_rows,
+    complementarity,
+    complementary_clusters,
+    normalise,
+    pairwise_distance,
+)
+from promptfcl.federation.message import Message, Record
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.methods.clip_baselines import ClipFedAvgParams, build_clip_model
+from promptfcl.methods.fedavg import SupervisedClient
+from promptfcl.methods.registry import register_method
+from promptfcl.scenario.label_space import masked_logits
+from promptfcl.scenario.long_tail import class_groups
+from promptfcl.seeding import derive_seed, seed_everything
+from promptfcl.training.local import LossFn
+
+MODEL = "model/"
+
+
+class CaptParams(ClipFedAvgParams):
+    """CAPT hyper-parameters: paper values where given, documented inferences otherwise."""
+
+    n_ctx: int = Field(4, ge=0, description="M, general prompt length [I]")
+    class_ctx: int = Field(4, ge=0, description="T, class-aware prompt length per class [I]")
+    depth: int = Field(9, ge=1, description="J, MaPLe depth of the general prompt and its vision prompts [I]")
+    coupling: bool = Field(True, description="vision-language coupling F (Eq. 3)")
+    lam: float = Field(1.0, ge=0, description="λ of Eq. 4")
+    ca_text: Literal["auto", "integrated", "class"] = Field(
+        "auto", description="text feature of L_ca and at inference: t_i (auto when M, T > 0) or Eq. 2's t_c"
+    )
+    clustering: bool = Field(True, description="false: FedAvg of everything every round (ablation w/o Clu.)")
+    sim_clusters: int = Field(3, gt=0, description="K of the similarity clustering (P_c)")
+    het_clusters: int = Field(4, gt=0, description="K of the heterogeneity clustering (P_g); App. D best = 4")
+    distance: Metric = "js"
+    clusterer: Clusterer = "kmeans"
+    pc_weighting: Literal["class_counts", "samples"] = "class_counts"
+    scheduler: Literal["bandit", "fixed"] = "bandit"
+    sync_period: int = Field(4, gt=0, description="fixed scheduler: global sync every this many rounds")
+    arms: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1, description="sync periods")
+    bandit_c: float = Field(0.5, ge=0)
+    bandit_eps: float = Field(1e-6, gt=0)
+    bandit_eta: float | None = Field(None, gt=0, le=1, description="None: 1/N(a) (sample average)")
+    bandit_value: Literal["paper", "mean"] = "paper"
+    prior_source: Literal["all_clients", "participants"] = "all_clients"
+    continual: bool = Field(
+        False, description="extension beyond the paper: run in class-incremental scenarios (rows of P_c per class)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CaptParams:
+        if self.n_ctx == 0 and self.class_ctx == 0:
+            raise ValueError("CAPT needs a general (n_ctx) or class-aware (class_ctx) prompt")
+        if self.ca_text == "integrated" and not (self.n_ctx and self.class_ctx):
+            raise ValueError("ca_text: integrated needs both n_ctx > 0 and class_ctx > 0; use ca_text: auto")
+        if any(a <= 0 for a in self.arms):
+            raise ValueError("bandit arms are sync periods in rounds: all must be positive")
+        return self
+
+    @property
+    def ca_variant(self) -> str:
+        """The text variant L_ca uses: integrated t_i when both prompts exist (auto), else t_c."""
+        if self.ca_text == "auto":
+            return "integrated" if self.n_ctx and self.class_ctx else "class"
+        return self.ca_text
+
+
+def build_model(env: MethodEnv, p: CaptParams) -> ClipClassifier:
+    if env.label_space.num_tasks != 1 and not p.continual:
+        raise ValueError(
+            "capt is a static (single-task) method: use scenario.kind: long_tailed (num_tasks: 1), or set "
+            "method.continual: true for promptfcl's class-incremental extension"
+        )
+    if p.ca_variant == "integrated" and p.inference == "auto":
+        p = p.model_copy(update={"inference": "integrated"})
+    return build_clip_model(env, p)
+
+
+# --------------------------------------------------------------------------------------------- losses
+
+
+def balanced_softmax_cross_entropy(logits: torch.Tensor, y: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """−log(π_y e^{s_y} / Σ_j π_j e^{s_j}) averaged over the batch (CAPT Eq. 2, balanced softmax)."""
+    return F.cross_entropy(logits + prior.clamp_min(1e-12).log().to(logits.device), y)
+
+
+def true_row_logits(scale: torch.Tensor, z: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """scale·z·tᵀ where sample i's logits reach the text features (and prompts) only through row y_i."""
+    live = scale * z @ t.t()
+    frozen = scale * z @ t.detach().t()
+    own = F.one_hot(y, t.shape[0]).bool()
+    return torch.where(own, live, frozen)
+
+
+def capt_loss(prior: torch.Tensor, lam: float, ca_text: str) -> LossFn:
+    """L = L_ge + λ·L_ca (Eq. 4) on the coupled image feature z'; parts the model lacks are left out."""
+
+    def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        z = model.image_features(x)
+        scale = model.backbone.logit_scale
+        total = z.new_zeros(())
+        if "general" in model.variants:
+            total = total + F.cross_entropy(masked_logits(scale * z @ model.text_features("general").t(), mask), y)
+        if "class" in model.variants:
+            t = model.text_features(ca_text)
+            total = total + lam * balanced_softmax_cross_entropy(
+                masked_logits(true_row_logits(scale, z, t, y), mask), y, prior
+            )
+        return total
+
+    return loss
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+class CaptClient(SupervisedClient):
+    """Keeps its P_g, P_c and F in `ctx.state`; answers label-count queries, training and prompt updates."""
+
+    message_kinds = ("train", "label_counts", "update")
+
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        if message.kind == "label_counts":
+            return Message({"label_counts": self.label_counts(ctx)}, kind="label_counts_reply")
+        if message.kind == "update":  # cluster / global prompts from the server: kept until the next round
+            ctx.state.tensors.update({k: v.clone() for k, v in message.tensors.items() if k.startswith(MODEL)})
+            return Message(kind="ack")
+        if message.kind != "train":
+            raise ValueError(f"CaptClient cannot handle message kind {message.kind!r}")
+        ctx.state.tensors.update({k: v for k, v in message.tensors.items() if k.startswith(MODEL)})
+        model = self.model
+        model.set_state({k: ctx.state.tensors[MODEL + k] for k in model.state_dict()})
+        stats = self.train(model, ctx, message)
+        state = model.get_state()
+        ctx.state.tensors.update({MODEL + k: v for k, v in state.items()})
+        parts = model.part_names("general") + model.part_names("class")
+        if message.scalars.get("upload_coupling"):
+            parts += model.part_names("coupling")
+        return Message(
+            {**{k: state[k] for k in parts}, "label_counts": self.label_counts(ctx)},
+            {"num_samples": len(ctx.train_data), "loss": stats["loss"]},
+            kind="train_reply",
+        )
+
+    def label_counts(self, ctx: ClientContext) -> torch.Tensor:
+        return torch.bincount(ctx.train_data.targets, minlength=self.env.label_space.num_logits).float()
+
+    def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
+        return capt_loss(message.tensors["prior"], self.params.lam, self.params.ca_variant)
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+class CaptServer(ServerProgram):
+    """Algorithm 1's server: two clusterings, cluster-wise averaging, per-client downlink, bandit-timed sync."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        p: CaptParams = self.params
+        seed_everything(self.env.seed, "model_init")
+        self.model: ClipClassifier = self.new_model()
+        self.num_clients = int(self.env.extras["num_clients"])
+        self.counts = np.zeros((self.num_clients, self.model.num_classes))
+        self.known: set[int] = set()  # clients whose label counts the server has
+        self.holding: set[int] = set()  # clients that hold prompts in their state
+        self.bandit = BanditScheduler(list(p.arms), p.bandit_c, p.bandit_eps, p.bandit_eta, p.bandit_value)
+        self.arm = 0
+        self.since = 0  # rounds since the last global sync
+        self.loss_ref: float | None = None  # mean participant loss at the last sync
+        self.bytes_period = 0
+        self.bytes_ref = 0
+        self.counts_task = 0  # the task the label counts (and so π) belong to
+        self.general = self.model.part_names("general")
+        self.cls = self.model.part_names("class")
+        self.coupling = self.model.part_names("coupling")
+
+    def begin_task(self, task: int) -> None:
+        """Continual extension: π and the clusterings use the new task's label counts (idempotent on resume)."""
+        if task != self.counts_task:
+            self.counts[:] = 0
+            self.known = set()
+            self.counts_task = task
+
+    # ---------------------------------------------------------------------------------------- helpers
+    def period(self) -> int:
+        p: CaptParams = self.params
+        return p.arms[self.arm] if p.scheduler == "bandit" else p.sync_period
+
+    def prior(self) -> torch.Tensor:
+        """π: global class frequencies from the label counts the server has (uniform before any)."""
+        total = self.counts.sum(0)
+        if total.sum() == 0:
+            return torch.full((self.model.num_classes,), 1.0 / self.model.num_classes)
+        return torch.tensor(total / total.sum(), dtype=torch.float32)
+
+    def head_and_tail(self) -> list[int]:
+        total = self.counts.sum(0)
+        groups = class_groups({c: int(n) for c, n in enumerate(total) if n > 0})
+        return sorted(groups["head"] + groups["tail"])
+
+    def _class_mean(self, replies: list[Message], keep: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        if self.params.pc_weighting == "samples":
+            return weighted_mean([{k: r.tensors[k] for k in self.cls} for r in replies], self._samples(replies))
+        counts = [r.tensors["label_counts"] for r in replies]
+        return {k: classwise_mean([r.tensors[k] for r in replies], counts, keep[k] if keep else None) for k in self.cls}
+
+    @staticmethod
+    def _samples(replies: list[Message]) -> list[float]:
+        return [float(r.scalars["num_samples"]) for r in replies]
+
+    def _mean(self, names: list[str], replies: list[Message]) -> dict[str, torch.Tensor]:
+        return weighted_mean([{k: r.tensors[k] for k in names} for r in replies], self._samples(replies))
+
+    # ------------------------------------------------------------------------------------------ round
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        p: CaptParams = self.params
+        sent = 0
+        if p.prior_source == "all_clients" and len(self.known) < self.num_clients:
+            ask = {c: Message(kind="label_counts") for c in range(self.num_clients) if c not in self.known}
+            for c, r in grid.send(ask).items():
+                self.counts[c] = r.tensors["label_counts"].numpy()
+                self.known.add(c)
+            sent += sum(m.nbytes() for m in ask.values())
+        sync = not p.clustering or self.since + 1 >= self.period()
+        prior = self.prior()
+        msgs = {}
+        for c in info.participants:
+            tensors = {"prior": prior}
+            if c not in self.holding:  # first contact: the initial prompts
+                tensors.update({MODEL + k: v for k, v in self.model.get_state().items()})
+            msgs[c] = Message(tensors, {"upload_coupling": sync}, kind="train")
+        replies = grid.send(msgs)
+        self.holding |= set(replies)
+        sent += sum(m.nbytes() for m in msgs.values()) + sum(r.nbytes() for r in replies.values())
+        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+        metrics: dict[str, float] = {"clients": len(usable), "sync": float(sync)}
+        if not usable:
+            return {**metrics, "loss": float("nan")}
+        for c, r in usable.items():
+            self.counts[c] = r.tensors["label_counts"].numpy()
+            self.known.add(c)
+        ids, rs = list(usable), list(usable.values())
+        loss = sum(r.scalars["loss"] for r in rs) / len(rs)
+        metrics["loss"] = loss
+        seed = derive_seed(self.env.seed, "capt", info.task, info.round)
+
+        # the evaluated global model: participants' means (P_c rows from the clients that hold each class)
+        new = self.model.get_state()
+        new.update(self._mean(self.general, rs) if self.general else {})
+        new.update(self._class_mean(rs, new) if self.cls else {})
+        if sync and self.coupling:
+            new.update(self._mean(self.coupling, rs))
+        self.model.set_state(new)
+
+        if sync:  # global aggregation, distributed to every client
+            full = {MODEL + k: v for k, v in new.items()}
+            updates = {c: Message(full, kind="update") for c in range(self.num_clients)}
+            self.holding = set(range(self.num_clients))
+        else:
+            updates = {c: Message(kind="update") for c in ids}
+            d = normalise(np.stack([r.tensors["label_counts"].numpy() for r in rs]))
+            if self.cls:  # similarity clustering → class-aware prompts
+                labels = cluster_rows(pairwise_distance(d, p.distance), p.sim_clusters, p.clusterer, seed)
+                metrics["sim_clusters"] = int(labels.max()) + 1
+                for g in range(int(labels.max()) + 1):
+                    members = [i for i in range(len(ids)) if labels[i] == g]
+                    avg = self._class_mean([rs[i] for i in members], None)
+                    for i in members:
+                        updates[ids[i]].tensors.update({MODEL + k: v for k, v in avg.items()})
+            if self.general:  # heterogeneity clustering → general prompts
+                comp = complementarity(d, self.head_and_tail())
+                labels = complementary_clusters(comp, p.het_clusters, p.clusterer, seed + 1)
+                metrics["het_clusters"] = int(labels.max()) + 1
+                for g in range(int(labels.max()) + 1):
+                    members = [i for i in range(len(ids)) if labels[i] == g]
+                    avg = self._mean(self.general, [rs[i] for i in members])
+                    for i in members:
+                        updates[ids[i]].tensors.update({MODEL + k: v for k, v in avg.items()})
+        grid.send(updates)
+        sent += sum(m.nbytes() for m in updates.values())
+        self._schedule(sync, loss, sent, metrics)
+        return metrics
+
+    def _schedule(self, sync: bool, loss: float, sent: int, metrics: dict[str, float]) -> None:
+        """Bandit bookkeeping: reward the arm whose period ends with this sync, then pick the next arm."""
+        self.bytes_ref = self.bytes_ref or sent
+        self.bytes_period += sent
+        if not sync:
+            self.since += 1
+            return
+        if self.params.scheduler == "bandit" and self.params.clustering:
+            if self.loss_ref is not None and self.loss_ref > 0:
+                reward = (self.loss_ref - loss) / self.loss_ref / (self.bytes_period / self.bytes_ref)
+                self.bandit.update(self.arm, reward)
+                metrics["bandit_reward"] = reward
+            self.arm = self.bandit.select()
+            metrics["bandit_period"] = self.period()
+        self.loss_ref = loss
+        self.since = 0
+        self.bytes_period = 0
+
+    # ------------------------------------------------------------------------------------------ state
+    def global_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state(self) -> Record:
+        return Record(
+            {**self.model.get_state(), "capt/counts": torch.tensor(self.counts)},
+            {
+                "known": sorted(self.known),
+                "holding": sorted(self.holding),
+                "bandit": self.bandit.to_dict(),
+                "arm": self.arm,
+                "since": self.since,
+                "loss_ref": self.loss_ref,
+                "bytes_period": self.bytes_period,
+                "bytes_ref": self.bytes_ref,
+                "counts_task": self.counts_task,
+            },
+        )
+
+    def load_state(self, state: Record) -> None:
+        self.model.set_state({k: v for k, v in state.tensors.items() if not k.startswith("capt/")})
+        self.counts = state.tensors["capt/counts"].numpy().copy()
+        s = state.scalars
+        self.known, self.holding = set(s["known"]), set(s["holding"])
+        self.bandit.load_dict(s["bandit"])
+        self.arm, self.since, self.loss_ref = int(s["arm"]), int(s["since"]), s["loss_ref"]
+        self.bytes_period, self.bytes_ref = int(s["bytes_period"]), int(s["bytes_ref"])
+        self.counts_task = int(s["counts_task"])
+
+
+register_method(
+    "capt",
+    CaptParams,
+    CaptServer,
+    CaptClient,
+    build_model,
+    "CLIP general + class-aware prompts, V-L coupling, JS / complementarity client clustering, bandit sync",
+    "CAPT (Hou et al., arXiv 2503.06993)",
+)

@@ -1,0 +1,96 @@
+"""Static federated long-tailed scenarios (CAPT §4.1, App. B; CReFF / FedLoGe protocol).
+
+1. Global exponential long-tail subsampling of the training split: class c (natural class order, class 0 the
+   largest) keeps ⌊n_max · IF^(−c/(C−1))⌋ randomly chosen images, n_max the smallest per-class count of the
+   (balanced) source split (LDAM / CReFF's `imb_factor` = 1/IF).
+2. Per-class Dirichlet(α = `partition.beta`) split of the kept images over the clients (the core partitioner).
+3. One task (T = 1) holding every class; participants drawn per round (CAPT: 40 % of 20 clients).
+4. Head / mid / tail groups from the sorted class counts by cumulative share (75 % / 95 %), saved with the
+   scenario; the test split stays balanced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from promptfcl.config import ScenarioConfig
+from promptfcl.scenario.partition import PartitionError, dirichlet_partition, iid_partition
+from promptfcl.scenario.scenario import Scenario, class_order, draw_participants
+from promptfcl.seeding import numpy_rng
+
+
+def long_tail_counts(n_max: int, num_classes: int, imbalance_factor: float) -> list[int]:
+    """n_c = ⌊n_max · IF^(−c/(C−1))⌋, at least 1."""
+    if num_classes == 1:
+        return [n_max]
+    return [max(1, int(n_max * imbalance_factor ** (-c / (num_classes - 1)))) for c in range(num_classes)]
+
+
+def long_tail_subsample(
+    targets: np.ndarray, order: list[int], imbalance_factor: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Sorted positions of the kept training images; `order[i]` is the class that gets the i-th largest count."""
+    per_class = [np.flatnonzero(targets == c) for c in order]
+    n_max = min(len(p) for p in per_class)
+    if n_max == 0:
+        raise PartitionError("a long-tailed scenario needs training images of every class")
+    counts = long_tail_counts(n_max, len(order), imbalance_factor)
+    kept = [rng.choice(pos, size=n, replace=False) for pos, n in zip(per_class, counts, strict=True)]
+    return np.sort(np.concatenate(kept))
+
+
+def class_groups(counts: dict[int, int], head_share: float = 0.75, mid_share: float = 0.95) -> dict[str, list[int]]:
+    """Head / mid / tail by the cumulative share of samples of the classes sorted by count (ties by class id):
+    a class is head while the share before it is < head_share, mid while < mid_share, tail after."""
+    ranked = sorted(counts, key=lambda c: (-counts[c], c))
+    total = sum(counts.values())
+    groups: dict[str, list[int]] = {"head": [], "mid": [], "tail": []}
+    before = 0
+    for c in ranked:
+        share = before / total
+        groups["head" if share < head_share else "mid" if share < mid_share else "tail"].append(int(c))
+        before += counts[c]
+    return groups
+
+
+def build_long_tailed(
+    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
+) -> Scenario:
+    """One static long-tailed task split over clients, with its head/mid/tail class groups."""
+    if cfg.num_tasks != 1:
+        raise PartitionError("a long_tailed scenario has one task; set scenario.num_tasks: 1")
+    if cfg.partition.kind == "hepco":
+        raise PartitionError("a long_tailed scenario partitions with dirichlet or iid, not hepco")
+    order = class_order(cfg, num_classes, seed)
+    pos = long_tail_subsample(train_targets, order, cfg.long_tail.imbalance_factor, numpy_rng(seed, "long_tail"))
+    rng = numpy_rng(seed, "partition", 0)
+    labels = train_targets[pos]
+    p = cfg.partition
+    if p.kind == "dirichlet":
+        parts = dirichlet_partition(labels, cfg.num_clients, p.beta, rng, p.min_samples, p.max_retries)
+    else:
+        parts = iid_partition(labels, cfg.num_clients, rng, p.min_samples)
+    counts = {c: int((labels == c).sum()) for c in order}
+    groups = class_groups(counts, cfg.long_tail.head_share, cfg.long_tail.mid_share)
+    test_idx = np.flatnonzero(np.isin(test_targets, order))
+    return Scenario(
+        seed,
+        num_classes,
+        order,
+        [order],
+        [[pos[q] for q in parts]],
+        [test_idx],
+        draw_participants(cfg, seed),
+        cfg.num_clients,
+        groups,
+    )
+
+
+def build_scenario(
+    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
+) -> Scenario:
+    """The scenario family `cfg.kind` names."""
+    from promptfcl.scenario.scenario import build_class_incremental
+
+    build = build_long_tailed if cfg.kind == "long_tailed" else build_class_incremental
+    return build(cfg, train_targets, test_targets, num_classes, seed)

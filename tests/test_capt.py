@@ -1,0 +1,288 @@
+"""CAPT's defining behaviours: the two clusterings, L_ca, true-row-only updates, per-cluster downlink, the bandit,
+plus a tiny end-to-end run of CAPT and the CLIP baselines and a server-state round trip."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from promptfcl.config import build_config
+from promptfcl.federation.bandit import BanditScheduler
+from promptfcl.federation.clustering import (
+    cluster_rows,
+    complementarity,
+    complementary_clusters,
+    js_divergence,
+    pairwise_distance,
+)
+
+from .clip_fixtures import tiny_lt_raw
+
+# ------------------------------------------------------------------------------------------- clustering
+
+
+def test_js_clustering_groups_identical_label_distributions() -> None:
+    profiles = np.array([[0.8, 0.1, 0.1, 0.0], [0.0, 0.1, 0.1, 0.8], [0.25, 0.25, 0.25, 0.25]])
+    order = [0, 1, 2, 0, 2, 1, 1, 0, 2]  # three clients per profile, interleaved
+    d = profiles[order]
+    for metric in ("js", "kl", "wasserstein", "tv", "cosine"):
+        labels = cluster_rows(pairwise_distance(d, metric), 3, "kmeans", seed=7)
+        for p in range(3):
+            members = {int(labels[i]) for i in range(len(order)) if order[i] == p}
+            assert len(members) == 1, metric  # identical distributions share a cluster
+        assert len(set(labels.tolist())) == 3, metric  # different profiles do not
+
+
+def test_js_divergence_values() -> None:
+    assert js_divergence(np.array([1.0, 0.0]), np.array([0.0, 1.0])) == pytest.approx(math.log(2))
+    assert js_divergence(np.array([0.5, 0.5]), np.array([0.5, 0.5])) == pytest.approx(0.0)
+    p, q = np.array([0.9, 0.1]), np.array([0.6, 0.4])
+    m = (p + q) / 2
+    kl = lambda a, b: float(np.sum(a * np.log(a / b)))  # noqa: E731
+    assert js_divergence(p, q) == pytest.approx(0.5 * kl(p, m) + 0.5 * kl(q, m))
+
+
+def test_complementarity_clustering_mixes_head_heavy_with_tail_heavy_clients() -> None:
+    head_heavy = [0.7, 0.2, 0.05, 0.05, 0.0, 0.0]
+    tail_heavy = [0.0, 0.0, 0.05, 0.05, 0.2, 0.7]
+    kinds = ["h", "t", "h", "h", "t", "t", "h", "t"]
+    d = np.array([head_heavy if k == "h" else tail_heavy for k in kinds])
+    head_and_tail = [0, 1, 4, 5]
+    c = complementarity(d, head_and_tail)
+    assert c[0, 1] == pytest.approx(sum(d[0, j] * (1 - d[1, j]) for j in head_and_tail))
+    assert c[0, 1] > c[0, 2]  # a head-heavy client complements a tail-heavy one more than another head-heavy one
+    labels = complementary_clusters(c, 4, "kmeans", seed=0)
+    for g in range(4):
+        members = [kinds[i] for i in range(len(kinds)) if labels[i] == g]
+        assert sorted(members) == ["h", "t"]  # every cluster mixes the two profiles
+    plain = cluster_rows(c, 4, "kmeans", seed=0)  # K-means on the rows alone would keep profiles apart
+    assert all(len({kinds[i] for i in range(len(kinds)) if plain[i] == g}) == 1 for g in set(plain.tolist()))
+
+
+# ------------------------------------------------------------------------------------------------ losses
+
+
+def test_l_ca_is_balanced_softmax_cross_entropy_on_a_hand_example() -> None:
+    from promptfcl.methods.capt import balanced_softmax_cross_entropy, true_row_logits
+
+    s = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])
+    prior = torch.tensor([0.5, 0.3, 0.2])
+    y = torch.tensor([0, 2])
+    by_hand = []
+    for i, yi in enumerate(y.tolist()):
+        num = prior[yi] * math.exp(s[i, yi])
+        den = sum(prior[j] * math.exp(s[i, j]) for j in range(3))
+        by_hand.append(-math.log(num / den))
+    assert balanced_softmax_cross_entropy(s, y, prior).item() == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    z, t = torch.randn(2, 4), torch.randn(3, 4)
+    assert torch.allclose(true_row_logits(torch.tensor(2.0), z, t, y), 2.0 * z @ t.t())
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from promptfcl.runtime import Runtime
+
+    return Runtime.build(build_config(tiny_lt_raw()))
+
+
+@pytest.mark.parametrize("ca_text", ["integrated", "class"])
+def test_only_the_true_class_rows_of_p_c_change_after_a_step(runtime, ca_text) -> None:
+    from promptfcl.methods.capt import capt_loss
+
+    server, _ = runtime.programs()
+    model = server.model
+    before = model.get_state()
+    x = torch.rand(4, 3, 32, 32)
+    y = torch.tensor([1, 3, 3, 1])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    loss = capt_loss(torch.full((6,), 1 / 6), 1.0, ca_text)(model, x, y, torch.ones(6, dtype=torch.bool))
+    loss.backward()
+    opt.step()
+    after = model.get_state()
+    changed = [c for c in range(6) if not torch.equal(before["class_ctx"][c], after["class_ctx"][c])]
+    assert changed == [1, 3]
+    assert not torch.equal(before["ctx"], after["ctx"])  # P_g learns from every sample (L_ge)
+    assert not torch.equal(before["coupling.0.weight"], after["coupling.0.weight"])
+
+
+# ---------------------------------------------------------------------------------------------- server
+
+
+class RecordingGrid:
+    """An in-process grid that keeps every message it delivers."""
+
+    @staticmethod
+    def make(runtime, client):
+        from promptfcl.federation.inprocess import InProcessGrid
+
+        class _Grid(InProcessGrid):
+            def _deliver(self, messages):
+                self.sent.append({c: m.copy() for c, m in messages.items()})
+                return super()._deliver(messages)
+
+        grid = _Grid(client, runtime.scenario, runtime.dataset.train, runtime.cfg.seed, runtime.device)
+        grid.sent = []
+        return grid
+
+
+def test_cluster_members_receive_identical_p_c_and_clusters_different_ones(runtime) -> None:
+    from promptfcl.federation.clustering import normalise
+    from promptfcl.federation.protocol import RoundInfo
+    from promptfcl.seeding import derive_seed
+
+    params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 100, "sim_clusters": 2})
+    server, client = runtime.spec.programs(runtime.env, params)
+    grid = RecordingGrid.make(runtime, client)
+    participants = (0, 1, 2, 3, 4, 5)
+    info = RoundInfo(0, 0, participants)
+    grid.start_round(info)
+    server.run_round(grid, info)
+    updates = grid.sent[-1]
+    assert set(updates) == set(participants) and all(m.kind == "update" for m in updates.values())
+    counts = np.stack([server.counts[c] for c in participants])
+    labels = cluster_rows(pairwise_distance(normalise(counts), "js"), 2, "kmeans", derive_seed(0, "capt", 0, 0))
+    assert len(set(labels.tolist())) == 2
+    pc = {c: updates[c].tensors["model/class_ctx"] for c in participants}
+    for i, a in enumerate(participants):
+        for j, b in enumerate(participants):
+            assert torch.equal(pc[a], pc[b]) == (labels[i] == labels[j])
+    # each client now holds its cluster's P_c in its state, and trains from it next time
+    assert all(torch.equal(grid.states[c].tensors["model/class_ctx"], pc[c]) for c in participants)
+    assert "model/coupling.0.weight" not in updates[0].tensors  # F stays local between global syncs
+
+
+def test_global_sync_sends_the_same_prompts_to_every_client(runtime) -> None:
+    from promptfcl.federation.protocol import RoundInfo
+
+    params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 1})
+    server, client = runtime.spec.programs(runtime.env, params)
+    grid = RecordingGrid.make(runtime, client)
+    info = RoundInfo(0, 0, (1, 4, 5))
+    grid.start_round(info)
+    metrics = server.run_round(grid, info)
+    assert metrics["sync"] == 1.0
+    updates = grid.sent[-1]
+    assert set(updates) == set(range(6))  # non-participants too
+    state = server.model.get_state()
+    for m in updates.values():
+        assert all(torch.equal(m.tensors["model/" + k], v) for k, v in state.items())
+
+
+# ---------------------------------------------------------------------------------------------- bandit
+
+
+def test_bandit_values_follow_the_update_rule() -> None:
+    b = BanditScheduler([1, 2, 4], c=0.5, eps=1e-6)
+    assert [b.select() for _ in range(1)] == [0]  # untried arms first, in order
+    rewards = [0.3, 0.1, 0.5]
+    v = 0.0
+    for n, r in enumerate(rewards, start=1):
+        b.update(1, r)
+        v = v + (1 / n) * (r - v)  # Eq. 7 with η = 1/N: the running mean
+        assert b.values[1] == pytest.approx(v)
+    assert b.values[1] == pytest.approx(np.mean(rewards)) and b.pulls == [0, 3, 0]
+    const = BanditScheduler([1, 2], eta=0.25)
+    const.update(0, 1.0)
+    const.update(0, 0.0)
+    assert const.values[0] == pytest.approx(0.25 * 1.0 * 0.75)
+    b.update(0, 0.2)
+    b.update(2, 0.4)
+    total = 5
+    expected = [
+        b.values[a] / (b.pulls[a] + 1e-6) + 0.5 * math.sqrt(math.log(total) / (b.pulls[a] + 1e-6)) for a in range(3)
+    ]
+    assert [b.score(a) for a in range(3)] == pytest.approx(expected)
+    assert b.select() == int(np.argmax(expected))
+    restored = BanditScheduler([1, 2, 4])
+    restored.load_dict(b.to_dict())
+    assert restored.values == b.values and restored.pulls == b.pulls
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_capt_runs_end_to_end_and_its_state_round_trips(tmp_path) -> None:
+    from promptfcl.experiment import Experiment
+
+    cfg = build_config(tiny_lt_raw(method={"arms": [1, 2]}))
+    exp = Experiment(cfg, tmp_path / "run", show_progress=False)
+    metrics = exp.run()
+    groups = metrics["summary"]["class_groups"]
+    assert set(groups) == {"overall", "head", "mid", "tail"}
+    assert groups["overall"] == pytest.approx(metrics["summary"]["sample_weighted_accuracy"])
+    state = exp.server.state()
+    server2, _ = exp.runtime.programs()
+    server2.load_state(state)
+    again = server2.state()
+    assert again.scalars == state.scalars
+    assert state.tensors.keys() == again.tensors.keys()
+    assert all(torch.equal(state.tensors[k], again.tensors[k]) for k in state.tensors)
+    resumed = Experiment.from_run_dir(tmp_path / "run", show_progress=False)
+    assert resumed.run(resume=True)["summary"] == metrics["summary"]  # nothing left to run: same result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["promptfl", "maple_fedavg", "cocoop_fedavg", "fedclip", "clip_zeroshot"])
+def test_clip_baselines_run_end_to_end(tmp_path, method) -> None:
+    from promptfcl.experiment import Experiment
+
+    extra = {"depth": 2 if method == "maple_fedavg" else 1}
+    cfg = build_config(
+        tiny_lt_raw(method={"name": method, "lr": 0.05, "batch_size": 16, **extra}, scenario={"rounds_per_task": 1})
+    )
+    exp = Experiment(cfg, tmp_path / method, show_progress=False)
+    metrics = exp.run()
+    assert 0.0 <= metrics["summary"]["class_groups"]["tail"] <= 100.0
+    learnable = sum(p.numel() for p in exp.server.global_model().parameters())
+    assert (learnable == 0) == (method == "clip_zeroshot")
+
+
+@pytest.mark.slow
+def test_capt_resume_mid_run_equals_uninterrupted_run(tmp_path) -> None:
+    """Server state (bandit, counts, clusters' inputs) and client states (cluster prompts) checkpoint exactly."""
+    from promptfcl.experiment import Experiment
+
+    raw = tiny_lt_raw(method={"arms": [1, 2]}, scenario={"rounds_per_task": 4})
+    reference = Experiment(build_config(raw), tmp_path / "ref", show_progress=False).run()
+
+    exp = Experiment(build_config(raw), tmp_path / "cut", show_progress=False)
+    original, done = exp._run_round, []
+
+    def interrupted(task: int, rnd: int) -> None:
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        original(task, rnd)
+        done.append(rnd)
+
+    exp._run_round = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        exp.run()
+    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    strip = lambda m: {k: v for k, v in m.items() if k != "timing"}  # noqa: E731
+    assert strip(resumed) == strip(reference)
+
+
+@pytest.mark.slow
+def test_continual_extension_runs_class_incremental_and_is_refused_without_the_flag(tmp_path) -> None:
+    from promptfcl.config import ConfigError
+    from promptfcl.experiment import Experiment
+
+    from .conftest import tiny_raw
+
+    raw = tiny_raw(scenario={"rounds_per_task": 2})
+    raw["backbone"] = tiny_lt_raw()["backbone"]
+    raw["method"] = {"name": "capt", "depth": 2, "lr": 0.05, "batch_size": 16, "arms": [1, 2]}
+    with pytest.raises(ConfigError, match="continual"):
+        Experiment(build_config(raw), tmp_path / "refused", show_progress=False).run()
+    raw["method"]["continual"] = True
+    exp = Experiment(build_config(raw), tmp_path / "ci", show_progress=False)
+    metrics = exp.run()
+    assert len(metrics["accuracy_matrix"]) == 2 and exp.server.counts_task == 1
+    new_classes = exp.scenario.label_space.tasks[1].logits
+    assert exp.server.counts[:, list(new_classes)].sum() > 0  # π of task 1 comes from task 1's counts
+    old = list(exp.scenario.label_space.tasks[0].logits)
+    assert exp.server.counts[:, old].sum() == 0
