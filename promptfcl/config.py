@@ -78,10 +78,28 @@ class LongTailConfig(StrictModel):
     mid_share: float = Field(0.95, gt=0, lt=1)
 
 
-class ScenarioConfig(StrictModel):
-    """A federated scenario: class-incremental tasks, or one static long-tailed task (`kind: long_tailed`)."""
+class PersonalizedConfig(StrictModel):
+    """Per-client task sequences (FedMGP, Yu et al. KDD'24 §5.1.1), used when `scenario.kind: personalized`.
 
-    kind: Literal["class_incremental", "long_tailed"] = "class_incremental"
+    `asynchronous`: each client owns `private_classes` classes (all their images); the next `public_classes`
+    classes of the class order are shared, each split over clients by Dirichlet(`beta`); a client's classes are
+    shuffled into `num_tasks` tasks of equal size. `synchronous`: the class-incremental task split (same order
+    for every client), each class's samples split over clients by Dirichlet(`beta`). Each client's data of each
+    task is split (1 − `local_test_fraction`) / `local_test_fraction` into local train / local test.
+    """
+
+    mode: Literal["asynchronous", "synchronous"] = "asynchronous"
+    private_classes: int = Field(15, ge=0, description="asynchronous: classes only one client holds")
+    public_classes: int = Field(25, ge=0, description="asynchronous: classes split over every client")
+    beta: float = Field(1.0, gt=0, description="Dirichlet concentration of the sample split")
+    local_test_fraction: float = Field(0.3, gt=0, lt=1, description="share of each client-task set held out")
+
+
+class ScenarioConfig(StrictModel):
+    """A federated scenario: class-incremental tasks, per-client task sequences (`kind: personalized`), or one
+    static long-tailed task (`kind: long_tailed`)."""
+
+    kind: Literal["class_incremental", "long_tailed", "personalized"] = "class_incremental"
     num_tasks: int = Field(10, gt=0)
     classes_per_task: int | list[int] | None = Field(
         None, description="classes in each task; default: all classes split evenly over num_tasks"
@@ -91,6 +109,7 @@ class ScenarioConfig(StrictModel):
     rounds_per_task: int = Field(5, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+    personalized: PersonalizedConfig = Field(default_factory=PersonalizedConfig, description="kind: personalized")
     long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
 
     @model_validator(mode="after")
@@ -152,6 +171,14 @@ class EvalConfig(StrictModel):
         None,
         description="report overall/head/mid/tail accuracy (static long-tailed evaluation); "
         "default: whenever the scenario defines class groups (scenario.kind: long_tailed)",
+    )
+    regime: Literal["task_agnostic", "task_aware", "client_local"] = Field(
+        "task_agnostic",
+        description="task_agnostic / task_aware: the server tests the global model on the test split; client_local: "
+        "each client tests its own model on its local test splits, task-aware (needs scenario.kind: personalized)",
+    )
+    retention_every_round: bool = Field(
+        True, description="client_local: also measure KR_t / KR_s after every round (else only after each task)"
     )
 
 

@@ -17,12 +17,13 @@ from rich.table import Table
 
 from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
-from promptfcl.evaluation.evaluator import Evaluator
+from promptfcl.evaluation.client_local import retention_summary
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
+from promptfcl.evaluation.regimes import build_evaluation
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import Grid, RoundInfo
-from promptfcl.report.plots import plot_client_class_counts
+from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks
 from promptfcl.report.progress import RunProgress
 from promptfcl.report.results import clean_json, summary_rows, write_final, write_rounds
 from promptfcl.runtime import Runtime, check_config, environment_info, resolve_method
@@ -72,14 +73,15 @@ class Experiment:
         self.class_groups = self.scenario.class_groups if groups is not False else None
         if groups and self.class_groups is None:
             raise ConfigError("eval.class_groups: the scenario defines no class groups; use scenario.kind: long_tailed")
-        self.evaluator = Evaluator(
+        self.evaluation = build_evaluation(
+            self.cfg.eval,
             self.dataset.test,
             self.scenario,
             rt.env.eval_transform,
-            self.cfg.eval.batch_size,
             self.device,
             per_class=self.class_groups is not None,
         )
+        self.evaluator = getattr(self.evaluation, "evaluator", None)  # the server regimes' test-split evaluator
         self.setup_seconds = time.perf_counter() - t0
 
     def _write_run_files(self) -> None:
@@ -90,8 +92,10 @@ class Experiment:
         plot_client_class_counts(
             self.scenario.client_class_counts(targets),
             self.run_dir / "scenario_heatmap.png",
-            [len(c) for c in self.scenario.task_classes],
+            () if self.scenario.personalized else [len(c) for c in self.scenario.task_classes],
         )
+        if self.scenario.personalized:
+            plot_client_tasks(self.scenario.client_task_matrix(), self.run_dir / "scenario_client_tasks.png")
         (self.run_dir / "environment.json").write_text(json.dumps(environment_info(), indent=2))
 
     # ------------------------------------------------------------------------------------------- run
@@ -152,15 +156,18 @@ class Experiment:
             "failures": [f.__dict__ for f in self.grid.failures],
             **round_metrics,
         }
-        if last or self.cfg.eval.every_round:
-            self.progress.note("evaluating")
-            t1 = time.perf_counter()
-            results = self.evaluator.evaluate(self.server.global_model(), task)
-            timing["eval_seconds"] += time.perf_counter() - t1
-            entry["accuracy"] = [r.accuracy for r in results]
-            if self.class_groups is not None:
-                entry["class_groups"] = self._group_accuracy(results)
-            if last:
+        self.progress.note("evaluating")
+        t1 = time.perf_counter()
+        outcome = self.evaluation.evaluate_round(self.server, self.grid, info, last, self.state)
+        timing["eval_seconds"] += time.perf_counter() - t1
+        if outcome is not None:
+            results, extra = outcome
+            entry.update(extra)
+            if results is not None:
+                entry["accuracy"] = [r.accuracy for r in results]
+                if self.class_groups is not None:
+                    entry["class_groups"] = self._group_accuracy(results)
+            if last and results is not None:
                 self.state["accuracy_matrix"].append([r.accuracy for r in results])
                 self.state["correct"] = [r.correct for r in results]
                 self.state["total"] = [r.total for r in results]
@@ -211,6 +218,9 @@ class Experiment:
             },
             "timing": timing,
         }
+        retention = retention_summary(self.state)
+        if retention is not None:
+            metrics["retention"] = retention
         write_final(self.run_dir, self.cfg.run_name(), metrics)
         return metrics
 

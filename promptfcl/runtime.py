@@ -26,6 +26,7 @@ from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
 from promptfcl.scenario.long_tail import build_scenario
 from promptfcl.scenario.partition import PartitionError
+from promptfcl.scenario.personalized import personalized_class_count
 from promptfcl.scenario.scenario import Scenario, task_class_counts
 from promptfcl.seeding import numpy_rng
 
@@ -85,9 +86,17 @@ def _check_data(cfg: ExperimentConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"data.options: {e}") from None
     try:
-        task_class_counts(cfg.scenario, n)
+        if cfg.scenario.kind == "personalized":
+            personalized_class_count(cfg.scenario, n)
+        else:
+            task_class_counts(cfg.scenario, n)
     except PartitionError as e:
         raise ConfigError(f"scenario: {e}") from None
+    if cfg.eval.regime == "client_local" and cfg.scenario.kind != "personalized":
+        raise ConfigError(
+            "eval.regime: client_local tests each client on its local test splits, which only personalized "
+            "scenarios hold; set scenario.kind: personalized or eval.regime: task_agnostic"
+        )
 
 
 def _check_backbone(cfg: ExperimentConfig) -> None:
@@ -223,6 +232,8 @@ class Runtime:
                 names[j] = dataset.class_names[c]
         extras = {"class_names": names, "num_clients": scenario.num_clients}
         env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras)
+        if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
+            env.extras["server_split"] = dataset.test
         return cls(cfg, spec, params, device, dataset, scenario, env)
 
     def programs(self) -> tuple[ServerProgram, ClientProgram]:

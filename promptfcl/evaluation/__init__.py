@@ -8,7 +8,9 @@ from promptfcl.evaluation.metrics import (
     class_group_accuracy,
     final_average_accuracy,
     sample_weighted_accuracy,
+    spatial_retention,
     summarize,
+    temporal_retention,
 )
 
 __all__ = [
@@ -20,5 +22,7 @@ __all__ = [
     "class_group_accuracy",
     "final_average_accuracy",
     "sample_weighted_accuracy",
+    "spatial_retention",
     "summarize",
+    "temporal_retention",
 ]

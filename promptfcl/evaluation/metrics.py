@@ -5,6 +5,11 @@
 - average accuracy after task t = mean_{i≤t} A[t][i] (the "accuracy after each task" curve);
 - average forgetting = mean_{i<T-1} (max_{t<T-1} A[t][i] − A[T-1][i]) (Chaudhry et al., 2018);
 - BWT = mean_{i<T-1} (A[T-1][i] − A[i][i]) (Lopez-Paz & Ranzato, 2017).
+
+Knowledge retention (FedMGP, Yu et al. KDD'24 §3, Definitions 1–2), over clients i, in %:
+- KR_t = 100 · mean_i Acc(θ_i^r; T_i^0) / Acc(θ_i^0; T_i^0) (temporal: the first task now vs when learned);
+- KR_s = 100 · mean_i Acc(θ_g^r; T_i^r) / Acc(θ_i^r; T_i^r) (spatial: global vs local model, current task).
+Clients whose denominator is 0 (or NaN) are left out of the mean.
 """
 
 from __future__ import annotations
@@ -69,6 +74,23 @@ def class_group_accuracy(
     out = {"overall": acc(list(class_total))}
     out.update({name: acc(classes) for name, classes in groups.items()})
     return out
+
+
+def _mean_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    if len(num) != len(den):
+        raise ValueError(f"{len(num)} numerators but {len(den)} denominators")
+    ratios = [n / d for n, d in zip(num, den, strict=True) if d == d and d != 0 and n == n]
+    return 100.0 * sum(ratios) / len(ratios) if ratios else math.nan
+
+
+def temporal_retention(now: Sequence[float], initial: Sequence[float]) -> float:
+    """KR_t in %: per client, accuracy on its first task now / when it was learned, averaged."""
+    return _mean_ratio(now, initial)
+
+
+def spatial_retention(global_acc: Sequence[float], local_acc: Sequence[float]) -> float:
+    """KR_s in %: per client, the global model's / its local model's accuracy on its current task, averaged."""
+    return _mean_ratio(global_acc, local_acc)
 
 
 def summarize(A: Matrix, correct: Sequence[int], total: Sequence[int]) -> dict[str, float]:

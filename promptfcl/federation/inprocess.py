@@ -37,8 +37,15 @@ def run_client(
     task, rnd = int(message.scalars["task"]), int(message.scalars["round"])
     client_seed = derive_seed(seed, "client", task, rnd, client_id, message.kind)
     seed_everything(client_seed)
-    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), scenario.label_space.class_to_logit)
-    ctx = ClientContext(client_id, task, rnd, state, data, client_seed, device)
+    space = scenario.client_label_space(client_id)
+    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), space.class_to_logit)
+
+    def local_test(t: int) -> LabeledSubset:
+        return LabeledSubset.of(train, scenario.client_test_indices(t, client_id), space.class_to_logit)
+
+    ctx = ClientContext(
+        client_id, task, rnd, state, data, client_seed, device, space, local_test if scenario.personalized else None
+    )
     return client.handle(message, ctx)
 
 

@@ -112,6 +112,14 @@ class ClientContext:
     train_data: LabeledSubset  # this client's training data for `task`
     seed: int  # derived from (run seed, task, round, client, message kind)
     device: torch.device
+    # the client's label space (its own task sequence in a personalized scenario); None: the method env's
+    label_space: LabelSpace | None = None
+    # task → this client's local test split of that task (personalized scenarios; None otherwise)
+    local_test: Callable[[int], LabeledSubset] | None = None
+
+    def space(self, env: MethodEnv) -> LabelSpace:
+        """The label space this client trains and is tested in."""
+        return self.label_space if self.label_space is not None else env.label_space
 
 
 @dataclass
@@ -164,6 +172,11 @@ class ServerProgram(_Program, ABC):
     @abstractmethod
     def global_model(self) -> nn.Module:
         """The model the evaluator tests: images → logits over the whole label space."""
+
+    def evaluate_message(self) -> Message:
+        """What clients receive to test the current global model on their own data (`client_local` regime):
+        by default the global model's state; methods whose clients keep a personal part send only the shared one."""
+        return Message({k: v.detach().clone() for k, v in self.global_model().state_dict().items()}, kind="evaluate")
 
     @abstractmethod
     def state(self) -> Record:

@@ -7,11 +7,12 @@ server sent), `reply` (statistics beside the parameters) or `aggregate` / `run_r
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
+from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
@@ -45,7 +46,11 @@ class SupervisedClient(ClientProgram):
     """Loads the server's parameters, trains on the current task with masked CE, returns its parameters.
 
     Tensors in the server's message that are not model parameters (e.g. prototypes) are left for `loss_fn`.
+    An `evaluate` message (the `client_local` regime) tests the sent global model on the client's local test
+    splits; in personalized scenarios the client also records its trained (pre-aggregation) model's accuracy.
     """
+
+    message_kinds: ClassVar[tuple[str, ...]] = ("train", "evaluate")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -59,13 +64,20 @@ class SupervisedClient(ClientProgram):
         return self._model
 
     def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind != "train":
+        if message.kind not in ("train", "evaluate"):
             raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
         set_task(model, ctx.task)
+        if message.kind == "evaluate":
+            return evaluate_reply(self.predict(model), ctx, self.env, message)
         stats = self.train(model, ctx, message)
+        remember_local(self.predict(model), ctx, self.env)
         return self.reply(model, ctx, stats)
+
+    def predict(self, model: torch.nn.Module) -> Predict:
+        """How this client's model classifies images of a given task (the `client_local` regime)."""
+        return lambda x, task: model(x)
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         """The training loss for this message (default: CE over the allowed logits)."""
@@ -83,7 +95,7 @@ class SupervisedClient(ClientProgram):
             model,
             ctx.train_data,
             p,
-            self.env.label_space.train_mask(ctx.task, p.train_logits),
+            ctx.space(self.env).train_mask(ctx.task, p.train_logits),
             self.env.train_transform(p.augment),
             torch_generator(ctx.seed, "local"),
             ctx.device,

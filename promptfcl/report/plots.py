@@ -66,3 +66,21 @@ def plot_client_class_counts(counts: np.ndarray, path: Path, task_sizes: Sequenc
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_client_tasks(matrix: np.ndarray, path: Path) -> None:
+    """Personalized scenarios: in which task each client learns each class (blank: never)."""
+    clients, classes = matrix.shape
+    T = int(matrix.max())
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.5, 2 + 0.12 * classes)), max(3.0, 1.5 + 0.3 * clients)))
+    shown = np.ma.masked_equal(matrix, 0)
+    im = ax.imshow(shown, aspect="auto", cmap=plt.get_cmap("tab10", max(T, 1)), vmin=0.5, vmax=T + 0.5,
+                   interpolation="nearest")  # fmt: skip
+    ax.set_xlabel("class position in class order")
+    ax.set_ylabel("client")
+    ax.set_yticks(range(clients))
+    ax.set_title("task in which each client learns each class (blank: class not held)")
+    fig.colorbar(im, ax=ax, label="task (1-based)", ticks=range(1, T + 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

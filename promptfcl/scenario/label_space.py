@@ -3,6 +3,10 @@
 A `LabelSpace` owns the mapping real class id → logit index and the logit slots of each task. Masks are
 computed from it, so the same model code serves class-incremental (all seen logits compete), task-aware
 (only the task's own logits) and per-(client, task) slot regimes.
+
+Personalized scenarios (per-client task sequences) use a *fixed* mapping: logit i is `class_order[i]` for every
+client, tasks may then share classes (the run-level space lists each task's union over clients), and each
+client gets a `view` with its own task sequence over the same logits.
 """
 
 from __future__ import annotations
@@ -27,9 +31,21 @@ class Task:
 class LabelSpace:
     """Real class → logit mapping and per-task logit slots for a sequence of tasks."""
 
-    def __init__(self, tasks: list[list[int]], num_real_classes: int) -> None:
+    def __init__(self, tasks: list[list[int]], num_real_classes: int, class_order: list[int] | None = None) -> None:
         self.tasks: list[Task] = []
+        self.num_real_classes = num_real_classes
         self.class_to_logit = torch.full((num_real_classes,), -1, dtype=torch.long)
+        self.fixed = class_order is not None
+        if class_order is not None:
+            self.class_order = list(class_order)
+            self.class_to_logit[torch.tensor(self.class_order, dtype=torch.long)] = torch.arange(len(class_order))
+            for t, classes in enumerate(tasks):
+                logits = tuple(int(self.class_to_logit[c]) for c in classes)
+                if any(j < 0 for j in logits):
+                    raise ValueError(f"task {t} holds a class outside the class order")
+                self.tasks.append(Task(t, tuple(classes), logits))
+            self.num_logits = len(class_order)
+            return
         offset = 0
         for t, classes in enumerate(tasks):
             logits = tuple(range(offset, offset + len(classes)))
@@ -53,8 +69,20 @@ class LabelSpace:
 
     def seen_logits(self, task: int) -> int:
         """Number of logits of tasks 0..task (class-incremental slots are contiguous)."""
+        if self.fixed:
+            raise ValueError("a personalized label space has no contiguous seen-logit range; use seen_mask")
         t = self.tasks[task]
         return t.logits[-1] + 1
+
+    def seen_mask(self, task: int) -> torch.Tensor:
+        """Bool mask of the logits of tasks 0..task."""
+        return self.mask(sorted({j for t in self.tasks[: task + 1] for j in t.logits}))
+
+    def view(self, tasks: list[list[int]]) -> LabelSpace:
+        """The same fixed class → logit mapping with another task sequence (one client's, in a personalized run)."""
+        if not self.fixed:
+            raise ValueError("only a fixed-mapping (personalized) label space has per-client views")
+        return LabelSpace(tasks, self.num_real_classes, self.class_order)
 
     def mask(self, logits: list[int] | tuple[int, ...] | range) -> torch.Tensor:
         m = torch.zeros(self.num_logits, dtype=torch.bool)
@@ -65,13 +93,13 @@ class LabelSpace:
         """Logits that compete in local training on `task`."""
         if which == "current_task":
             return self.mask(self.tasks[task].logits)
-        return self.mask(range(self.seen_logits(task)))
+        return self.seen_mask(task)
 
     def eval_mask(self, evaluated_task: int, after_task: int, regime: str = "task_agnostic") -> torch.Tensor:
         """Logits that compete when testing `evaluated_task` after training `after_task`."""
         if regime == "task_agnostic":
-            return self.mask(range(self.seen_logits(after_task)))
-        if regime == "task_aware":
+            return self.seen_mask(after_task)
+        if regime in ("task_aware", "client_local"):
             return self.mask(self.tasks[evaluated_task].logits)
         raise ValueError(f"unknown evaluation regime {regime!r}")
 

@@ -34,6 +34,15 @@ class Scenario:
     participants: list[list[list[int]]]  # [task][round] → client ids
     num_clients: int
     class_groups: dict[str, list[int]] | None = None  # long-tailed: "head"/"mid"/"tail" → real class ids
+    # personalized scenarios only (None otherwise): [client][task] → that client's classes, and
+    # [task][client] → its local test indices (into the *train* split, held out from `client_train`)
+    client_tasks: list[list[list[int]]] | None = None
+    client_test: list[list[np.ndarray]] | None = None
+    kind: str = "class_incremental"
+
+    @property
+    def personalized(self) -> bool:
+        return self.client_tasks is not None
 
     @property
     def num_tasks(self) -> int:
@@ -45,7 +54,19 @@ class Scenario:
 
     @cached_property
     def label_space(self) -> LabelSpace:
+        if self.personalized:  # fixed mapping: tasks are the per-task unions over clients and may share classes
+            return LabelSpace(self.task_classes, self.num_classes, self.class_order)
         return LabelSpace(self.task_classes, self.num_classes)
+
+    def client_label_space(self, client: int) -> LabelSpace:
+        """The label space a client trains and is evaluated in (its own task sequence when personalized)."""
+        if self.client_tasks is None:
+            return self.label_space
+        return self.label_space.view(self.client_tasks[client])
+
+    def client_test_indices(self, task: int, client: int) -> np.ndarray | None:
+        """The client's local test indices (train split) of `task`, or None when the scenario has none."""
+        return None if self.client_test is None else self.client_test[task][client]
 
     def client_indices(self, task: int, client: int) -> np.ndarray:
         return self.client_train[task][client]
@@ -60,6 +81,17 @@ class Scenario:
                     counts[k, pos[int(c)]] += n
         return counts
 
+    def client_task_matrix(self) -> np.ndarray:
+        """(clients, classes in class order): 1 + the task in which the client learns the class, 0 if never."""
+        pos = {c: i for i, c in enumerate(self.class_order)}
+        out = np.zeros((self.num_clients, len(self.class_order)), dtype=np.int64)
+        for k in range(self.num_clients):
+            tasks = self.client_tasks[k] if self.client_tasks is not None else self.task_classes
+            for t, classes in enumerate(tasks):
+                for c in classes:
+                    out[k, pos[c]] = t + 1
+        return out
+
     def to_json(self, train_targets: np.ndarray | None = None) -> dict:
         out = {
             "seed": self.seed,
@@ -72,6 +104,11 @@ class Scenario:
             "test_indices": [idx.tolist() for idx in self.test_indices],
             "client_task_counts": [[len(idx) for idx in task] for task in self.client_train],
         }
+        if self.personalized:
+            out["kind"] = self.kind
+            out["client_tasks"] = self.client_tasks
+            out["client_test"] = [[idx.tolist() for idx in task] for task in self.client_test or []]
+            out["client_task_test_counts"] = [[len(idx) for idx in task] for task in self.client_test or []]
         if train_targets is not None:
             out["client_class_counts"] = self.client_class_counts(train_targets).tolist()
         if self.class_groups is not None:
@@ -90,6 +127,13 @@ class Scenario:
             participants=d["participants"],
             num_clients=d["num_clients"],
             class_groups=d.get("class_groups"),
+            client_tasks=d.get("client_tasks"),
+            client_test=(
+                [[np.asarray(i, dtype=np.int64) for i in task] for task in d["client_test"]]
+                if d.get("client_test") is not None
+                else None
+            ),
+            kind=d.get("kind", "class_incremental"),
         )
 
     def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:

@@ -1,0 +1,170 @@
+"""The `client_local` evaluation regime (FedMGP, Yu et al. KDD'24 §5.2 / Table 1 and §3 Definitions 1–2).
+
+Each client tests *its own* model on its local test split of each task it has seen, with the logits outside that
+task's classes masked (task-aware). Since personal parts (FedMGP's local prompts and per-task heads) never
+leave the client, the test runs on the client: the server sends an `evaluate` message through the `Grid` (so it
+works on every engine) carrying the shared model (`ServerProgram.evaluate_message`), and the client answers with
+correct / total counts. Reported per task (mean over clients of each client's accuracy on its t-th task) and
+averaged over tasks.
+
+Knowledge retention, per round r (the paper's Eq. 1 and 2):
+- θ_i^r, client i's *local* model = its model right after its local training of round r (before aggregation); the
+  client measures it on its task 0 and current task and keeps the counts in its state (`remember_local`).
+- θ_g^r, the global model = what the client holds after the server's aggregation of round r (for FedAvg methods
+  the averaged model; for FedMGP the fused global prompts with its own local prompts and heads).
+- KR_t^r = mean_i Acc(θ_i^r; T_i^0) / Acc(θ_i^0; T_i^0), where θ_i^0 is the local model when task 0 was learned
+  (its last round; the paper's "initial round"), so KR_t is defined from the last round of task 0 on.
+- KR_s^r = mean_i Acc(θ_g^r; T_i^r) / Acc(θ_i^r; T_i^r) over clients that trained in round r.
+Evaluation traffic is not counted as communication (the round's bytes are logged before it runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.evaluation.evaluator import TaskResult
+from promptfcl.evaluation.metrics import spatial_retention, temporal_retention
+from promptfcl.federation.message import Message
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.scenario.label_space import masked_logits
+from promptfcl.scenario.scenario import Scenario
+
+Predict = Callable[[torch.Tensor, int], torch.Tensor]  # (images, task) → logits over the label space
+LOCAL_KEY = "eval/local"  # client state scalar: the local model's counts of its latest training round
+
+
+@torch.no_grad()
+def count_correct(
+    predict: Predict, data: LabeledSubset, task: int, mask: torch.Tensor, transform: ImageTransform,
+    batch_size: int, device: torch.device,
+) -> list[int]:  # fmt: skip
+    """[correct, total] of `predict` on `data` with the logits outside `mask` set to -inf."""
+    mask = mask.to(device)
+    correct = 0
+    for x, y in data.batches(batch_size, transform, device=device):
+        correct += int((masked_logits(predict(x, task), mask).argmax(dim=1) == y).sum())
+    return [correct, len(data)]
+
+
+def measure(
+    predict: Predict, ctx: ClientContext, env: MethodEnv, tasks: list[int], batch_size: int
+) -> dict[str, list[int]]:
+    """{task: [correct, total]} on this client's local test split of each task, task-aware."""
+    if ctx.local_test is None:
+        raise ValueError("the client_local regime needs a personalized scenario (clients hold no local test split)")
+    space = ctx.space(env)
+    return {
+        str(t): count_correct(
+            predict, ctx.local_test(t), t, space.mask(space.tasks[t].logits), env.eval_transform, batch_size, ctx.device
+        )
+        for t in tasks
+    }
+
+
+def remember_local(predict: Predict, ctx: ClientContext, env: MethodEnv, batch_size: int = 256) -> None:
+    """After local training (personalized scenarios only): keep θ_i^r's counts on tasks 0 and current."""
+    if ctx.local_test is None:
+        return
+    counts = measure(predict, ctx, env, sorted({0, ctx.task}), batch_size)
+    ctx.state.scalars[LOCAL_KEY] = {"task": ctx.task, "round": ctx.round, "counts": counts}
+
+
+def evaluate_reply(predict: Predict, ctx: ClientContext, env: MethodEnv, message: Message) -> Message:
+    """The answer to an `evaluate` message: the held model's counts on the requested tasks + the local counts."""
+    tasks = [int(t) for t in message.scalars["tasks"]]
+    counts = measure(predict, ctx, env, tasks, int(message.scalars.get("batch_size", 256)))
+    return Message({}, {"global": counts, "local": ctx.state.scalars.get(LOCAL_KEY)}, kind="evaluate_reply")
+
+
+@dataclass
+class ClientMeanResult(TaskResult):
+    """A task's result in the client_local regime: counts summed over clients, accuracy = mean over clients."""
+
+    client_accuracy: float = float("nan")
+
+    @property
+    def accuracy(self) -> float:  # type: ignore[override]
+        return self.client_accuracy
+
+
+def _acc(c: list[int]) -> float:
+    return 100.0 * c[0] / c[1] if c[1] else float("nan")
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _mean(values: list[float]) -> float:
+    ok = [v for v in values if v == v]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
+class ClientLocalEvaluation:
+    """Server side of the regime: asks every client, aggregates per task, tracks KR_t / KR_s per round."""
+
+    def __init__(self, scenario: Scenario, batch_size: int, every_round: bool) -> None:
+        self.scenario = scenario
+        self.batch_size = batch_size
+        self.every_round = every_round
+
+    def evaluate_round(
+        self, server: ServerProgram, grid: Grid, info: RoundInfo, last: bool, progress: dict[str, Any]
+    ) -> tuple[list[TaskResult] | None, dict[str, Any]] | None:
+        if not (last or self.every_round):
+            return None
+        t = info.task
+        tasks = list(range(t + 1)) if last else sorted({0, t})
+        msg = server.evaluate_message()
+        msg.scalars.update({"tasks": tasks, "batch_size": self.batch_size})
+        replies = grid.broadcast(range(self.scenario.num_clients), msg)
+        held = {c: r.scalars["global"] for c, r in replies.items()}
+        local = {
+            c: r.scalars["local"]["counts"]
+            for c, r in replies.items()
+            if r.scalars.get("local") and (r.scalars["local"]["task"], r.scalars["local"]["round"]) == (t, info.round)
+        }
+        ret = progress.setdefault("retention", {"reference": {}, "rounds": []})
+        if t == 0 and last:  # θ_i^0: the local model when task 0 is learned
+            ret["reference"] = {str(c): _acc(v["0"]) for c, v in local.items() if v["0"][1]}
+        ref = ret["reference"]
+        kr_t = (
+            temporal_retention(*zip(*[(_acc(v["0"]), ref[str(c)]) for c, v in local.items() if str(c) in ref]))
+            if ref and any(str(c) in ref for c in local)
+            else float("nan")
+        )
+        pairs = [(_acc(held[c][str(t)]), _acc(v[str(t)])) for c, v in local.items() if c in held]
+        kr_s = spatial_retention(*zip(*pairs)) if pairs else float("nan")
+        row = {"task": t, "round": info.round, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)}
+        ret["rounds"].append(row)
+        metrics: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
+        if not last:
+            return None, metrics
+        results: list[TaskResult] = []
+        for j in tasks:
+            per_client = [held[c][str(j)] for c in sorted(held)]
+            results.append(
+                ClientMeanResult(
+                    j,
+                    sum(x[0] for x in per_client),
+                    sum(x[1] for x in per_client),
+                    _mean([_acc(x) for x in per_client]),
+                )
+            )
+        metrics["client_accuracy"] = {str(c): {j: _finite(_acc(v)) for j, v in held[c].items()} for c in sorted(held)}
+        return results, metrics
+
+
+def retention_summary(progress: dict[str, Any]) -> dict[str, Any] | None:
+    """KR_t / KR_s of the last evaluated round and their per-round curves (None outside this regime)."""
+    ret = progress.get("retention")
+    if not ret or not ret["rounds"]:
+        return None
+    last = ret["rounds"][-1]
+    return {"kr_t": last["kr_t"], "kr_s": last["kr_s"], "rounds": ret["rounds"], "reference": ret["reference"]}
