@@ -134,13 +134,10 @@ class ClientLocalEvaluation:
         if t == 0 and last:  # θ_i^0: the local model when task 0 is learned
             ret["reference"] = {str(c): _acc(v["0"]) for c, v in local.items() if v["0"][1]}
         ref = ret["reference"]
-        kr_t = (
-            temporal_retention(*zip(*[(_acc(v["0"]), ref[str(c)]) for c, v in local.items() if str(c) in ref]))
-            if ref and any(str(c) in ref for c in local)
-            else float("nan")
-        )
+        now_first = [(_acc(v["0"]), ref[str(c)]) for c, v in local.items() if str(c) in ref]
+        kr_t = temporal_retention([a for a, _ in now_first], [b for _, b in now_first]) if now_first else float("nan")
         pairs = [(_acc(held[c][str(t)]), _acc(v[str(t)])) for c, v in local.items() if c in held]
-        kr_s = spatial_retention(*zip(*pairs)) if pairs else float("nan")
+        kr_s = spatial_retention([a for a, _ in pairs], [b for _, b in pairs]) if pairs else float("nan")
         row = {"task": t, "round": info.round, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)}
         ret["rounds"].append(row)
         metrics: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
