@@ -7,6 +7,7 @@ from promptfcl.methods import (  # noqa: F401  (register)
     fedavg_ft,
     fedavg_prompt,
     fedlwf_mc,
+    fedmgp,
     fedproto,
     fedprox_prompt,
     fedvit,
