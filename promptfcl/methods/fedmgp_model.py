@@ -137,10 +137,10 @@ def distill_pool(
     sequence under its prompts matches each teacher's, Σ_teachers MSE(V(x'_student), V(x'_teacher)), on the
     server's proxy images. Every pool selects its prompts with its own keys (eval-mode selection). Returns the
     mean loss of every epoch."""
-    student.eval()
+    student.eval().requires_grad_(True)
     for t in teachers:
-        t.eval()
-    params = [p for p in student.parameters() if p.requires_grad]
+        t.eval().requires_grad_(False)
+    params = list(student.parameters())
     opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     losses = []
     for _ in range(epochs):

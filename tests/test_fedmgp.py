@@ -1,0 +1,189 @@
+"""FedMGP: per-client state isolation, selective prompt fusion, what travels, ablations, baselines on the
+personalized scenarios under the client_local regime, and exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from promptfcl.config import build_config
+from promptfcl.experiment import Experiment
+from promptfcl.federation.inprocess import InProcessGrid, run_client
+from promptfcl.federation.message import Message, Record
+from promptfcl.methods.fedmgp_model import distill_pool, distillation_loss
+from promptfcl.runtime import Runtime
+
+from .conftest import tiny_raw
+
+FEDMGP = {
+    "name": "fedmgp", "pool_size": 4, "length": 2, "top_k": 2, "local_layers": [1], "local_length": 2,
+    "head_hidden": 16, "local_epochs": 1, "batch_size": 8, "lr": 0.01, "proxy_per_class": 4, "fusion_epochs": 2,
+}  # fmt: skip
+
+
+def personal_raw(method: dict[str, Any], mode: str = "asynchronous", rounds: int = 2) -> dict[str, Any]:
+    raw = tiny_raw(
+        scenario={
+            "kind": "personalized", "num_tasks": 2, "num_clients": 3, "rounds_per_task": rounds,
+            "class_order": "shuffled", "partition": {"min_samples": 0},
+            "personalized": {"mode": mode, "private_classes": 1, "public_classes": 3},
+        },
+        eval={"regime": "client_local", "batch_size": 32},
+    )  # fmt: skip
+    if mode == "synchronous":
+        raw["scenario"]["classes_per_task"] = 3
+    raw["method"] = dict(method)
+    return raw
+
+
+class RecordingGrid(InProcessGrid):
+    """The in-process engine, keeping every delivered message and reply per (task, round)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
+
+    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        replies = super()._deliver(messages)
+        self.log.append((self.round.task, self.round.round, messages, replies))
+        return replies
+
+
+def run_recorded(raw: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any], RecordingGrid]:
+    grids: list[RecordingGrid] = []
+
+    def factory(rt: Runtime) -> RecordingGrid:
+        grids.append(RecordingGrid(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device))
+        return grids[0]
+
+    metrics = Experiment(build_config(raw), run_dir, show_progress=False, grid_factory=factory).run()
+    return metrics, grids[0]
+
+
+def test_fedmgp_end_to_end_uploads_only_the_global_pool_and_broadcasts_one_fused_pool(tmp_path: Path) -> None:
+    metrics, grid = run_recorded(personal_raw(FEDMGP), tmp_path / "run")
+    trains = [(t, r, m, rep) for t, r, m, rep in grid.log if next(iter(m.values())).kind == "train"]
+    assert len(trains) == 4
+    for _t, _r, sent, replies in trains:
+        assert all(set(rep.tensors) == {"global_pool.keys", "global_pool.prompts"} for rep in replies.values())
+        first = next(iter(sent.values())).tensors
+        for msg in sent.values():  # every client receives the identical fused pool
+            assert msg.tensors.keys() == first.keys() and all(torch.equal(msg.tensors[k], first[k]) for k in first)
+    # the pool sent in round r+1 is the fusion of round r's uploads: different from each client's own pool
+    prev_uploads, next_sent = trains[0][3], next(iter(trains[1][2].values())).tensors["global_pool.prompts"]
+    assert all(not torch.equal(u.tensors["global_pool.prompts"], next_sent) for u in prev_uploads.values())
+    evals = [m for _t, _r, m, _rep in grid.log if next(iter(m.values())).kind == "evaluate"]
+    assert evals and all(set(next(iter(m.values())).tensors) == {"global_pool.keys", "global_pool.prompts"}
+                         for m in evals)  # fmt: skip
+    states = grid.states  # personal parts stay on the clients
+    assert all(any(k.startswith("local_pool.") for k in s.tensors) for s in states.values())
+    assert len(metrics["accuracy_matrix"]) == 2 and metrics["retention"]["kr_t"] is not None
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert all("kr_s" in r and "fusion_loss_first" in r for r in rounds)
+    assert (tmp_path / "run" / "scenario_client_tasks.png").is_file()
+
+
+def test_one_clients_training_leaves_another_clients_local_prompts_and_heads_untouched() -> None:
+    rt = Runtime.build(build_config(personal_raw(FEDMGP)))
+    server, client = rt.programs()
+    states = {0: Record(), 1: Record()}
+
+    def send(cid: int, task: int, rnd: int, kind: str = "train") -> Message:
+        msg = Message(server.shared(), {"task": task, "round": rnd, "tasks": [0], "batch_size": 32}, kind=kind)
+        return run_client(client, msg, cid, states[cid], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device)
+
+    send(1, 0, 0)
+    snapshot = {k: v.clone() for k, v in states[1].tensors.items()}
+    before = send(1, 0, 0, "evaluate").scalars["global"]
+    for rnd in range(2):  # client 0 trains task 0 and then a new task (new local head) in between
+        send(0, 0, rnd)
+    send(0, 1, 0)
+    assert states[1].tensors.keys() == snapshot.keys()
+    assert all(torch.equal(states[1].tensors[k], snapshot[k]) for k in snapshot)
+    assert send(1, 0, 0, "evaluate").scalars["global"] == before
+    assert not torch.equal(states[0].tensors["local_pool.k_prompts"], states[1].tensors["local_pool.k_prompts"])
+    assert not torch.equal(states[0].tensors["local_heads.1.0.weight"], states[1].tensors["local_heads.1.0.weight"])
+
+
+def test_prompt_fusion_distillation_pulls_the_student_pool_towards_the_teachers() -> None:
+    rt = Runtime.build(build_config(personal_raw(FEDMGP)))
+    server, _ = rt.programs()
+    pools = [server._pool(server.shared()) for _ in range(3)]
+    with torch.no_grad():
+        for i, pool in enumerate(pools):
+            torch.manual_seed(i)
+            pool.prompts.uniform_(-1, 1)
+    proxy = server.proxy(set(range(6)))
+    student, teachers = pools[0], pools[1:]
+    args = (rt.env.backbone, proxy, rt.env.eval_transform)
+    before = distillation_loss(student, teachers, *args, 16, rt.device)
+    gen = torch.Generator().manual_seed(0)
+    losses = distill_pool(student, teachers, *args, 6, 8, 0.05, 0.0, gen, rt.device)
+    after = distillation_loss(student, teachers, *args, 16, rt.device)
+    assert losses[-1] < losses[0] and after < 0.8 * before
+    assert torch.equal(student.keys, pools[0].keys)  # keys get no gradient from the output-matching loss
+
+
+@pytest.mark.parametrize(
+    ("change", "check"),
+    [
+        ({"global_prompt": False}, "no_upload"),
+        ({"local_prompt": False}, "no_local"),
+        ({"fusion": "fedavg"}, "mean"),
+        ({"return_fused_head": True, "filter_threshold": 0.0, "proxy": "full_test"}, "head"),
+    ],
+)
+def test_ablations_and_code_switches(tmp_path: Path, change: dict, check: str) -> None:
+    metrics, grid = run_recorded(personal_raw({**FEDMGP, **change}, rounds=1), tmp_path / "run")
+    trains = [(m, rep) for _t, _r, m, rep in grid.log if next(iter(m.values())).kind == "train"]
+    assert len(metrics["accuracy_matrix"]) == 2
+    if check == "no_upload":
+        assert all(not rep.tensors for _m, replies in trains for rep in replies.values())
+    elif check == "no_local":
+        assert all(not any(k.startswith("local_") for k in s.tensors) for s in grid.states.values())
+    elif check == "mean":
+        uploads = trains[0][1]
+        mean = sum(r.tensors["global_pool.prompts"].double() for r in uploads.values()) / len(uploads)
+        sent = next(iter(trains[1][0].values())).tensors["global_pool.prompts"]
+        assert torch.allclose(sent.double(), mean, atol=1e-6)
+    else:  # the fused head travels back and replaces every client's own global head
+        sent = next(iter(trains[1][0].values())).tensors
+        assert any(k.startswith("fused_head.") for k in sent)
+        assert all("global_head.0.weight" in rep.tensors for rep in trains[0][1].values())
+
+
+@pytest.mark.parametrize("method", ["fedvit", "fedl2p", "feddualprompt"])
+def test_baselines_run_on_personalized_scenarios_with_client_local_evaluation(tmp_path: Path, method: str) -> None:
+    extra = {"fedl2p": {"pool_size": 4, "length": 2, "top_k": 2}, "feddualprompt": {"g_layers": [0],
+             "e_layers": [1], "pool_size": 4, "g_length": 2, "e_length": 2}}.get(method, {})  # fmt: skip
+    raw = personal_raw({"name": method, "local_epochs": 1, "batch_size": 8, **extra}, mode="synchronous", rounds=1)
+    metrics = Experiment(build_config(raw), tmp_path / method, show_progress=False).run()
+    assert len(metrics["accuracy_matrix"]) == 2 and len(metrics["retention"]["rounds"]) == 2
+    assert 0 <= metrics["summary"]["faa"] <= 100
+
+
+def test_fedmgp_resume_equals_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = personal_raw(FEDMGP)
+    reference = Experiment(build_config(raw), tmp_path / "ref", show_progress=False).run()
+    original = Experiment._run_round
+    done: list[int] = []
+
+    def interrupted(self: Experiment, task: int, rnd: int) -> None:
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append(1)
+        original(self, task, rnd)
+
+    monkeypatch.setattr(Experiment, "_run_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(build_config(raw), tmp_path / "cut", show_progress=False).run()
+    monkeypatch.setattr(Experiment, "_run_round", original)
+    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    strip = ("timing",)
+    assert {k: v for k, v in resumed.items() if k not in strip} == {
+        k: v for k, v in reference.items() if k not in strip
+    }
