@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typing import Literal
+
 from pydantic import Field
 
 from promptfcl.checkpoint import atomic_write_text
@@ -60,6 +62,10 @@ class StudyConfig(StrictModel):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     set: list[str] = Field(default_factory=list)
     cells: dict[str, CellConfig] = Field(min_length=1)
+    columns: list[Literal["per_task", "retention"]] = Field(
+        default_factory=list,
+        description="extra table columns: per_task = final accuracy on each task; retention = final KR_t / KR_s",
+    )
 
 
 @dataclass(frozen=True)
@@ -171,21 +177,42 @@ GROUP_COLUMNS = [
 ]
 
 
+def _task_column(i: int) -> tuple[str, Any]:
+    return f"task {i + 1} (%)", lambda m: m["accuracy_matrix"][-1][i] if len(m["accuracy_matrix"][-1]) > i else None
+
+
+def study_columns(study: StudyConfig, metrics: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The table's columns: class groups first for long-tailed runs; per-task final accuracies and KR_t / KR_s
+    before the standard ones when the study asks for them."""
+    base = COLUMNS
+    if metrics and all("class_groups" in m["summary"] for m in metrics):
+        base = GROUP_COLUMNS + [c for c in COLUMNS if c[0] not in ("forgetting (%)", "BWT (%)")]
+    extra: list[tuple[str, Any]] = []
+    if "per_task" in study.columns:
+        tasks = max((len(m["accuracy_matrix"][-1]) for m in metrics if m["accuracy_matrix"]), default=0)
+        extra += [_task_column(i) for i in range(tasks)]
+    if "retention" in study.columns:
+        extra += [
+            ("KR_t (%)", lambda m: (m.get("retention") or {}).get("kr_t")),
+            ("KR_s (%)", lambda m: (m.get("retention") or {}).get("kr_s")),
+        ]
+    return extra + base
+
+
 def summarize_study(study: StudyConfig, runs: list[StudyRun], out: Path) -> str:
     """Mean ± std over seeds per cell → summary.md / .csv / .json; returns the Markdown table.
 
     Long-tailed studies (runs that report class groups) get overall / head / mid / tail columns first."""
     rows: list[dict[str, Any]] = []
-    loaded = [json.loads((r.run_dir / "metrics.json").read_text()) for r in runs if r.finished]
-    columns = COLUMNS
-    if loaded and all("class_groups" in m["summary"] for m in loaded):
-        columns = GROUP_COLUMNS + [c for c in COLUMNS if c[0] not in ("forgetting (%)", "BWT (%)")]
+    done_metrics = {r: json.loads((r.run_dir / "metrics.json").read_text()) for r in runs if r.finished}
+    columns = study_columns(study, list(done_metrics.values()))
     for cell in study.cells:
         done = [r for r in runs if r.cell == cell and r.finished]
-        metrics = [json.loads((r.run_dir / "metrics.json").read_text()) for r in done]
+        metrics = [done_metrics[r] for r in done]
         row: dict[str, Any] = {"cell": cell, "method": metrics[0]["method"] if metrics else "", "seeds": len(done)}
         for col, get in columns:
-            row[col] = _mean_std([float(get(m)) for m in metrics]) if metrics else None
+            values = [float(v) for v in (get(m) for m in metrics) if v is not None]
+            row[col] = _mean_std(values) if values else None
         rows.append(row)
     header = "| cell | method | seeds | " + " | ".join(c for c, _ in columns) + " |"
     lines = [header, "|" + " --- |" * (3 + len(columns))]

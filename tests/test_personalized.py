@@ -104,8 +104,10 @@ class ScriptedGrid(Grid):
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
         held, local = self.script[(self.round.task, self.round.round)]
         return {
-            c: Message({}, {"global": held[c], "local": {"task": self.round.task, "round": self.round.round,
-                                                          "counts": local[c]}})  # fmt: skip
+            c: Message(
+                {},
+                {"global": held[c], "local": {"task": self.round.task, "round": self.round.round, "counts": local[c]}},
+            )  # fmt: skip
             for c in messages
         }
 
@@ -138,3 +140,51 @@ def test_client_local_regime_computes_kr_per_round_from_the_definitions() -> Non
     assert [r.accuracy for r in results] == pytest.approx([(50 + 100) / 2, (25 + 50) / 2])
     summary = retention_summary(progress)
     assert summary["kr_t"] == pytest.approx(75.0) and len(summary["rounds"]) == 2
+
+
+def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios(monkeypatch) -> None:
+    from pathlib import Path
+
+    from promptfcl.config import load_config
+    from promptfcl.scenario.personalized import personalized_class_count
+    from promptfcl.study import cell_config, load_study
+
+    monkeypatch.setenv("PROMPTFCL_ASSETS", "/assets")
+    root = Path(__file__).resolve().parents[1]
+    configs = [load_config(p) for p in sorted(root.glob("configs/*/*fedmgp*.yaml"))]
+    configs += [load_config(p) for p in sorted(root.glob("configs/fedmgp/*.yaml"))]
+    for name in ("fedmgp_cifar100_cpu.yaml", "fedmgp_cifar100_gpu.yaml"):
+        study, study_dir = load_study(root / "benchmarks" / name)
+        assert study.columns == ["per_task", "retention"]
+        configs += [cell_config(study, study_dir, cell, 0) for cell in study.cells]
+    assert len(configs) == 2 + 3 + 12 + 12
+    for cfg in configs:
+        assert cfg.scenario.kind == "personalized" and cfg.eval.regime == "client_local"
+        assert personalized_class_count(cfg.scenario, 100) == 100
+
+
+def test_study_table_shows_per_task_accuracy_and_retention_when_asked(tmp_path) -> None:
+    import json
+
+    from promptfcl.study import StudyConfig, StudyRun, summarize_study
+
+    study = StudyConfig.model_validate(
+        {"name": "s", "base": "b.yaml", "cells": {"a": {}, "b": {}}, "columns": ["per_task", "retention"]}
+    )
+    runs = []
+    for cell, kr in (("a", 90.0), ("b", None)):
+        run_dir = tmp_path / cell / "seed0"
+        run_dir.mkdir(parents=True)
+        metrics = {
+            "method": "fedmgp", "accuracy_matrix": [[70.0], [60.0, 80.0]],
+            "summary": {"faa": 70.0, "average_forgetting": 10.0, "bwt": -10.0},
+            "communication": {"mb_per_round": 0.1}, "timing": {"total_seconds": 5.0},
+        }  # fmt: skip
+        if kr is not None:
+            metrics["retention"] = {"kr_t": kr, "kr_s": 95.0}
+        (run_dir / "metrics.json").write_text(json.dumps(metrics))
+        runs.append(StudyRun(cell, 0, tmp_path / "cfg.yaml", run_dir))
+    table = summarize_study(study, runs, tmp_path)
+    assert table.splitlines()[0].startswith("| cell | method | seeds | task 1 (%) | task 2 (%) | KR_t (%) | KR_s (%) |")
+    assert "| a | fedmgp | 1 | 60.00 | 80.00 | 90.00 | 95.00 | 70.00 |" in table
+    assert "| b | fedmgp | 1 | 60.00 | 80.00 | not run | not run | 70.00 |" in table
