@@ -137,9 +137,10 @@ class Experiment:
         info = RoundInfo(task, rnd, tuple(self.scenario.participants[task][rnd]))
         self.progress.round_started(task, T, rnd, R)
         self.grid.start_round(info)
+        last = rnd == R - 1
+        self.grid.stamp = self.evaluation.round_stamp(info, last)
         t0 = time.perf_counter()
         round_metrics = self.server.run_round(self.grid, info)
-        last = rnd == R - 1
         if last:
             self.server.end_task(task)
         round_seconds = time.perf_counter() - t0

@@ -15,6 +15,8 @@ Knowledge retention, per round r (the paper's Eq. 1 and 2):
 - KR_t^r = mean_i Acc(θ_i^r; T_i^0) / Acc(θ_i^0; T_i^0), where θ_i^0 is the local model when task 0 was learned
   (its last round; the paper's "initial round"), so KR_t is defined from the last round of task 0 on.
 - KR_s^r = mean_i Acc(θ_g^r; T_i^r) / Acc(θ_i^r; T_i^r) over clients that trained in round r.
+Measured after every round (`eval.retention_every_round`, default) or only after each task's last round; the
+regime stamps `measure_local` on the messages of the rounds it evaluates, so clients test θ_i^r only then.
 Evaluation traffic is not counted as communication (the round's bytes are logged before it runs).
 """
 
@@ -67,9 +69,14 @@ def measure(
     }
 
 
-def remember_local(predict: Predict, ctx: ClientContext, env: MethodEnv, batch_size: int = 256) -> None:
-    """After local training (personalized scenarios only): keep θ_i^r's counts on tasks 0 and current."""
-    if ctx.local_test is None:
+MEASURE = "measure_local"  # stamped on a round's messages when the regime evaluates after that round
+
+
+def remember_local(
+    predict: Predict, ctx: ClientContext, env: MethodEnv, message: Message, batch_size: int = 256
+) -> None:
+    """After local training in a round the regime evaluates: keep θ_i^r's counts on tasks 0 and current."""
+    if ctx.local_test is None or not message.scalars.get(MEASURE, False):
         return
     counts = measure(predict, ctx, env, sorted({0, ctx.task}), batch_size)
     ctx.state.scalars[LOCAL_KEY] = {"task": ctx.task, "round": ctx.round, "counts": counts}
@@ -113,6 +120,10 @@ class ClientLocalEvaluation:
         self.scenario = scenario
         self.batch_size = batch_size
         self.every_round = every_round
+
+    def round_stamp(self, info: RoundInfo, last: bool) -> dict[str, Any]:
+        """Scalars for this round's messages: trained clients measure their local model when we evaluate."""
+        return {MEASURE: True} if last or self.every_round else {}
 
     def evaluate_round(
         self, server: ServerProgram, grid: Grid, info: RoundInfo, last: bool, progress: dict[str, Any]

@@ -5,8 +5,9 @@
 - `client_local`: every client tests its own model on its local test splits through `evaluate` messages, with
   KR_t / KR_s per round (`ClientLocalEvaluation`; personalized scenarios).
 
-Both answer `evaluate_round(server, grid, info, last, progress)` with None (nothing evaluated this round) or
-(per-task results or None, extra round metrics).
+Both answer `round_stamp(info, last)` (scalars stamped on the round's messages before it runs) and
+`evaluate_round(server, grid, info, last, progress)` with None (nothing evaluated this round) or (per-task
+results or None, extra round metrics).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class ServerEvaluation:
     def __init__(self, evaluator: Evaluator, every_round: bool) -> None:
         self.evaluator = evaluator
         self.every_round = every_round
+
+    def round_stamp(self, info: RoundInfo, last: bool) -> dict[str, Any]:
+        return {}
 
     def evaluate_round(
         self, server: ServerProgram, grid: Grid, info: RoundInfo, last: bool, progress: dict[str, Any]

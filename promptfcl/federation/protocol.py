@@ -72,6 +72,8 @@ class Grid(ABC):
         self.failures: list[ClientFailure] = []
         # client states the engine holds and checkpoints (in-process: all; Flower: none, nodes keep their own)
         self.states: dict[int, Record] = {}
+        # extra scalars stamped on this round's messages (e.g. the evaluation regime's `measure_local`)
+        self.stamp: dict[str, Any] = {}
 
     def start_round(self, info: RoundInfo) -> None:
         self.round = info
@@ -85,6 +87,8 @@ class Grid(ABC):
             m = msg.copy()
             m.scalars.setdefault("task", self.round.task)
             m.scalars.setdefault("round", self.round.round)
+            for k, v in self.stamp.items():
+                m.scalars.setdefault(k, v)
             stamped[cid] = m
         replies = self._deliver(stamped)
         self.traffic.messages += len(stamped)

@@ -72,7 +72,7 @@ class SupervisedClient(ClientProgram):
         if message.kind == "evaluate":
             return evaluate_reply(self.predict(model), ctx, self.env, message)
         stats = self.train(model, ctx, message)
-        remember_local(self.predict(model), ctx, self.env)
+        remember_local(self.predict(model), ctx, self.env, message)
         return self.reply(model, ctx, stats)
 
     def predict(self, model: torch.nn.Module) -> Predict:

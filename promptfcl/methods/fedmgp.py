@@ -211,7 +211,7 @@ class FedMGPClient(ClientProgram):
                                 local_loss)  # fmt: skip
             losses.append(stats["loss"])
         self._trainable(model, [])
-        remember_local(self.predict(model, ctx), ctx, self.env)
+        remember_local(self.predict(model, ctx), ctx, self.env, message)
         ctx.state.tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
                              if not k.startswith(GLOBAL_POOL)}  # fmt: skip
         upload = subset_state(model, GLOBAL_POOL)
