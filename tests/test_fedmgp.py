@@ -83,7 +83,7 @@ def test_fedmgp_end_to_end_uploads_only_the_global_pool_and_broadcasts_one_fused
     assert all(any(k.startswith("local_pool.") for k in s.tensors) for s in states.values())
     assert len(metrics["accuracy_matrix"]) == 2 and metrics["retention"]["kr_t"] is not None
     rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
-    assert all("kr_s" in r and "fusion_loss_first" in r for r in rounds)
+    assert all("kr_s" in r and "fusion_loss_first" in r and 0 <= r["diag/local_key_hit"] <= 100 for r in rounds)
     assert (tmp_path / "run" / "scenario_client_tasks.png").is_file()
 
 

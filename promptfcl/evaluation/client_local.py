@@ -82,11 +82,15 @@ def remember_local(
     ctx.state.scalars[LOCAL_KEY] = {"task": ctx.task, "round": ctx.round, "counts": counts}
 
 
-def evaluate_reply(predict: Predict, ctx: ClientContext, env: MethodEnv, message: Message) -> Message:
-    """The answer to an `evaluate` message: the held model's counts on the requested tasks + the local counts."""
+def evaluate_reply(
+    predict: Predict, ctx: ClientContext, env: MethodEnv, message: Message, diagnostics: dict[str, float] | None = None
+) -> Message:
+    """The answer to an `evaluate` message: the held model's counts on the requested tasks + the local counts
+    (+ method-specific `diagnostics`, averaged over clients into the round's metrics as `diag/<name>`)."""
     tasks = [int(t) for t in message.scalars["tasks"]]
     counts = measure(predict, ctx, env, tasks, int(message.scalars.get("batch_size", 256)))
-    return Message({}, {"global": counts, "local": ctx.state.scalars.get(LOCAL_KEY)}, kind="evaluate_reply")
+    scalars = {"global": counts, "local": ctx.state.scalars.get(LOCAL_KEY), "diagnostics": diagnostics or {}}
+    return Message({}, scalars, kind="evaluate_reply")
 
 
 @dataclass
@@ -152,6 +156,12 @@ class ClientLocalEvaluation:
         row = {"task": t, "round": info.round, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)}
         ret["rounds"].append(row)
         metrics: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
+        names = sorted({k for r in replies.values() for k in r.scalars.get("diagnostics", {})})
+        for name in names:
+            vals = [
+                r.scalars["diagnostics"][name] for r in replies.values() if name in r.scalars.get("diagnostics", {})
+            ]
+            metrics[f"diag/{name}"] = _finite(_mean([float(v) for v in vals]))
         if not last:
             return None, metrics
         results: list[TaskResult] = []

@@ -60,7 +60,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
@@ -120,6 +120,14 @@ class FedMGPParams(LocalTrainingParams):
     global_prompt: bool = True
     local_prompt: bool = True
     query_cache: bool = Field(False, description="cache q(x) per exact input (use with augment: none or flip)")
+
+    @model_validator(mode="after")
+    def _fixed_by_the_paper(self) -> FedMGPParams:
+        if self.optimizer_reset != "round":
+            raise ValueError("FedMGP makes a fresh optimizer for each phase of each round: remove optimizer_reset")
+        if self.train_logits != "current_task":
+            raise ValueError("FedMGP trains on the current task's classes only (Eq. 6, 10): remove train_logits")
+        return self
 
     def uploads_head(self) -> bool:
         return self.filter_threshold is not None or self.return_fused_head
@@ -185,7 +193,7 @@ class FedMGPClient(ClientProgram):
         model = self._model(message, ctx)
         model.eval()
         if message.kind == "evaluate":
-            return evaluate_reply(self.predict(model, ctx), ctx, self.env, message)
+            return evaluate_reply(self.predict(model, ctx), ctx, self.env, message, self.diagnostics(model, ctx))
         p, space = self.params, ctx.space(self.env)
         mask = space.train_mask(ctx.task, "current_task")
         tf = self.env.train_transform(p.augment)
@@ -223,6 +231,19 @@ class FedMGPClient(ClientProgram):
             "classes": list(space.tasks[ctx.task].classes),
         }
         return Message(upload, scalars, kind="train_reply")
+
+    @torch.no_grad()
+    def diagnostics(self, model: MGPModel, ctx: ClientContext) -> dict[str, float]:
+        """`local_key_hit`: % of the current task's local test images whose top-1 local prompt at test time is
+        their own class's (the prompt training used) — the train/test selection gap of §4.2.2."""
+        if model.local_pool is None or ctx.local_test is None:
+            return {}
+        space, hits, n = ctx.space(self.env), 0, 0
+        allowed = space.seen_mask(ctx.task)
+        for x, y in ctx.local_test(ctx.task).batches(64, self.env.eval_transform, device=ctx.device):
+            hits += int((model.local_pool.select(model.local_query(x), allowed, 1)[:, 0] == y).sum())
+            n += len(y)
+        return {"local_key_hit": 100.0 * hits / n} if n else {}
 
     @staticmethod
     def _trainable(model: MGPModel, prefixes: list[str]) -> None:

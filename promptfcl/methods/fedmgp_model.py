@@ -90,6 +90,23 @@ class MGPModel(nn.Module):
         """The coarse global model: global prompts + global head H_g (phase 1, Eq. 6)."""
         return self.global_head(self.global_features(x))
 
+    @torch.no_grad()
+    def frozen_global_spec(self, x: torch.Tensor) -> PromptSpec | None:
+        """The global prompts as phase 2 sees them: frozen, eval-mode selection (every seen prompt, no pull)."""
+        if self.global_pool is None:
+            return None
+        was = self.global_pool.training
+        self.global_pool.eval()
+        spec = self.global_spec(x)
+        self.global_pool.train(was)
+        return spec
+
+    @torch.no_grad()
+    def local_query(self, x: torch.Tensor, gspec: PromptSpec | None = None) -> torch.Tensor:
+        """V(x'): the global-prompted feature that selects local prompts at test time."""
+        gspec = self.frozen_global_spec(x) if gspec is None else gspec
+        return self.read(self.backbone.tokens(x, gspec), gspec)
+
     def local_logits(
         self,
         x: torch.Tensor,
@@ -103,16 +120,8 @@ class MGPModel(nn.Module):
         """The fine local model (phase 2, Eq. 10): frozen global prompts, then the class-wise local prompts
         chosen by `labels` (training) or by cosine between the global-prompted query and the local keys."""
         assert self.local_pool is not None
-        with torch.no_grad():
-            was = self.global_pool.training if self.global_pool is not None else False
-            if self.global_pool is not None:
-                self.global_pool.eval()  # frozen: selection over every seen prompt, no pull loss
-            gspec = self.global_spec(x)
-            if self.global_pool is not None:
-                self.global_pool.train(was)
-            query = None
-            if labels is None or pull:
-                query = self.read(self.backbone.tokens(x, gspec), gspec)  # V(x'), the local query
+        gspec = self.frozen_global_spec(x)
+        query = self.local_query(x, gspec) if labels is None or pull else None
         ids = labels.unsqueeze(1) if labels is not None else self.local_pool.select(query, allowed, top_k, batchwise)
         self.local_aux = self.local_pool.pull_loss(query, ids) if pull and query is not None else x.new_zeros(())
         lspec = self.local_pool(ids)
