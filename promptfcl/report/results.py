@@ -50,8 +50,12 @@ def write_final(run_dir: Path, name: str, metrics: dict[str, Any]) -> None:
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     s, comm, t = metrics["summary"], metrics["communication"], metrics["timing"]
     groups = [(f"{g} accuracy (%)", f"{v:.2f}") for g, v in s.get("class_groups", {}).items()]
+    ret = metrics.get("retention") or {}
+    kr = [(f"{name} (%)", "n/a" if ret.get(key) is None else f"{ret[key]:.2f}")
+          for name, key in (("KR_t", "kr_t"), ("KR_s", "kr_s")) if "retention" in metrics]  # fmt: skip
     return groups + [
         ("FAA (%)", f"{s['faa']:.2f}"),
+        *kr,
         ("sample-weighted accuracy (%)", f"{s['sample_weighted_accuracy']:.2f}"),
         ("average forgetting (%)", f"{s['average_forgetting']:.2f}"),
         ("BWT (%)", f"{s['bwt']:.2f}"),
