@@ -20,7 +20,9 @@ the clients' current classes from data no client holds (the test split: in perso
 only train-split images). The fused pool is broadcast to every client for the next round (and evaluation).
 Local prompts and heads never leave the client and live only in `ctx.state` (no shared model object).
 Evaluation: the `client_local` regime (fused global prompts + the client's local prompts + the local head of
-the evaluated task, logits masked to that task's classes).
+the evaluated task, logits masked to that task's classes). Each evaluation also reports `diag/local_key_hit`,
+the % of a client's current-task local test images whose test-time local prompt is their own class's (the one
+training used): the first thing to look at when FedMGP trails FedL2P.
 
 Paper vs official code (SkyOfBeginning/FedMGP @ fca3643) — paper defaults, code behind switches:
 - pool 10 / length 10 / lr 1e-3 / λ 0.1 (paper, CIFAR-100 config) vs pool 20, top-4, lr 1.5e-3, λ 0.5 (the
