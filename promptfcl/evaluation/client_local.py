@@ -167,14 +167,8 @@ class ClientLocalEvaluation:
         results: list[TaskResult] = []
         for j in tasks:
             per_client = [held[c][str(j)] for c in sorted(held)]
-            results.append(
-                ClientMeanResult(
-                    j,
-                    sum(x[0] for x in per_client),
-                    sum(x[1] for x in per_client),
-                    _mean([_acc(x) for x in per_client]),
-                )
-            )
+            correct, total = sum(x[0] for x in per_client), sum(x[1] for x in per_client)
+            results.append(ClientMeanResult(j, correct, total, client_accuracy=_mean([_acc(x) for x in per_client])))
         metrics["client_accuracy"] = {str(c): {j: _finite(_acc(v)) for j, v in held[c].items()} for c in sorted(held)}
         return results, metrics
 
