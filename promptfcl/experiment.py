@@ -17,6 +17,7 @@ from rich.table import Table
 
 from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
+from promptfcl.environment import environment_info
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
 from promptfcl.federation.inprocess import InProcessGrid
@@ -25,7 +26,7 @@ from promptfcl.federation.protocol import Grid, RoundInfo
 from promptfcl.report.plots import plot_client_class_counts
 from promptfcl.report.progress import RunProgress
 from promptfcl.report.results import clean_json, summary_rows, write_final, write_rounds
-from promptfcl.runtime import Runtime, check_config, environment_info, resolve_method
+from promptfcl.runtime import Runtime, check_config, resolve_method
 
 __all__ = ["Experiment", "check_config", "resolve_method"]
 

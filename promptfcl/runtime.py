@@ -8,16 +8,13 @@ Every check here runs before any training and turns problems into `ConfigError`s
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ValidationError
 
-from promptfcl import __version__
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
@@ -157,19 +154,6 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
     if cfg.engine.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("engine.device: cuda requested but no GPU is available; use auto or cpu")
     return torch.device(cfg.engine.device)
-
-
-def environment_info() -> dict[str, str]:
-    import timm
-
-    return {
-        "promptfcl": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-    }
 
 
 @dataclass
