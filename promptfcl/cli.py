@@ -59,6 +59,12 @@ def _study(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("results") / "studies" / study.name
     runs = plan(study, study_dir, out)
     todo = [r for r in runs if not r.finished]
+    random_init = sorted({r.cell for r in runs if "RANDOM_INIT" in r.config_path.read_text()})
+    if random_init:
+        console.print(
+            f"[bold yellow]warning:[/bold yellow] backbone weights not found; {', '.join(random_init)} run on a "
+            "RANDOM-INIT backbone (missing_weights: random_init); their accuracies test mechanics only"
+        )
     console.print(
         f"study {study.name}: {len(runs)} runs ({len(runs) - len(todo)} already finished) in {out}, "
         f"{args.jobs} at a time"

@@ -36,7 +36,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -87,6 +87,11 @@ class StudyConfig(StrictModel):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     set: list[str] = Field(default_factory=list)
     sweep: Sweep = Field(default_factory=dict, description="key path -> values; every cell becomes their grid")
+    missing_weights: Literal["error", "random_init"] = Field(
+        "error",
+        description="a cell whose backbone.weights file is absent: fail (default), or run on a random-init "
+        "backbone (the run is named <study>_<cell>_RANDOM_INIT and reports flag it)",
+    )
     cells: dict[str, CellConfig] = Field(min_length=1)
 
     @field_validator("sweep")
@@ -172,9 +177,14 @@ def cell_config(study: StudyConfig, study_dir: Path, cell: str | Cell, seed: int
         if spec.method is not None:
             raw["method"] = dict(spec.method)
         overrides = [*study.set, *spec.set, *cell.overrides(), f"seed={seed}", f"name={study.name}_{cell.name}"]
-        return build_config(apply_overrides(raw, overrides))
+        cfg = build_config(apply_overrides(raw, overrides))
     except ConfigError as e:
         raise ConfigError(f"study cell {cell.name!r} (seed {seed}): {e}") from None
+    weights = cfg.backbone.weights
+    if study.missing_weights == "random_init" and weights and not Path(weights).is_file():
+        cfg.backbone.weights = None
+        cfg.name = f"{cfg.name}_RANDOM_INIT"
+    return cfg
 
 
 def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
