@@ -318,7 +318,8 @@ def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
     s = setting(argparse.Namespace(quick=quick, cpu=cpu))
     run_experiment(tiny_run_config(method, s, clients, quick, per_client=4))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
-    print(json.dumps({"peak_rss_mb": peak_kb / 1024}))
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if s.device.type == "cuda" else None
+    print(json.dumps({"peak_rss_mb": peak_kb / 1024, "peak_gpu_mb": gpu}))
 
 
 def peak_rss(quick: bool, cpu: bool) -> list[dict[str, Any]]:
@@ -330,7 +331,10 @@ def peak_rss(quick: bool, cpu: bool) -> list[dict[str, Any]]:
             cmd += ["--quick"] if quick else []
             cmd += ["--cpu"] if cpu else []
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            row[f"peak_rss_mb_{clients}_clients"] = json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
+            child = json.loads(out.strip().splitlines()[-1])
+            row[f"peak_rss_mb_{clients}_clients"] = child["peak_rss_mb"]
+            if child["peak_gpu_mb"] is not None:
+                row[f"peak_gpu_mb_{clients}_clients"] = child["peak_gpu_mb"]
         row["ratio_50_vs_1"] = row["peak_rss_mb_50_clients"] / row["peak_rss_mb_1_clients"]
         rows.append(row)
         print(
