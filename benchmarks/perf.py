@@ -16,10 +16,11 @@ pool):
 3. **Peak RSS** of a whole run with 1 and with 50 simulated clients, each in its own subprocess.
 4. **Query-cache speed-up** of pool client steps: images/s with q(x) cached vs recomputed (flip augmentation,
    several local epochs: the first fills the cache).
-5. **On CUDA**: the client step under bf16 autocast (ours and bare), achieved TFLOP/s (FLOPs of one bare step
-   counted by torch's FlopCounterMode) and the fraction of the GPU's dense bf16 peak.
+5. **On CUDA** (or with `--bf16` on the CPU): the client step under bf16 autocast (ours and bare), achieved
+   TFLOP/s of ours (FLOPs of one bare step with the same prompt, counted by torch's FlopCounterMode) and the
+   fraction of the GPU's dense bf16 peak (table `BF16_PEAK`, by device name).
 
-    python benchmarks/perf.py [--quick] [--out benchmarks/results/perf.json]
+    python benchmarks/perf.py [--quick] [--bf16] [--cpu] [--out benchmarks/results/perf.json]
 
 Speeds are random-init weights (speed does not depend on them): ViT-Tiny/16 at 112 px, batch 16 on CPU;
 ViT-B/16 at 224 px, batch 64 on CUDA. Run it on a quiet machine: other processes change every number.
@@ -77,6 +78,7 @@ class Setting:
     repeats: int
     cache_epochs: int
     cache_images: int
+    bf16: bool = False
 
 
 def setting(args: argparse.Namespace) -> Setting:
@@ -89,6 +91,7 @@ def setting(args: argparse.Namespace) -> Setting:
         s = Setting(device, "vit_tiny_patch16_224", 112, 16, 320, 3, 3, 160)
         if args.quick:
             s.images, s.repeats, s.cache_epochs, s.cache_images = 64, 1, 2, 48
+    s.bf16 = bool(getattr(args, "bf16", False))
     return s
 
 
@@ -223,7 +226,7 @@ def client_steps(s: Setting) -> list[dict[str, Any]]:
             "ours_all": o,
             "bare_all": b,
         }
-        if s.device.type == "cuda":
+        if s.device.type == "cuda" or s.bf16:
             row.update(bf16(bench, step, s))
         rows.append(row)
         print(
@@ -238,15 +241,15 @@ def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
     """bf16-autocast images/s of ours and bare, TFLOP/s of the bare step and its fraction of the bf16 peak."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(s.device.type, dtype=torch.bfloat16):
         with FlopCounterMode(display=False) as counter:
             step(bench.x[: s.batch], bench.y[: s.batch])
         flops_per_image = counter.get_total_flops() / s.batch
         bench.ours(), bench.bare(step)
         o = statistics.median(bench.ours() for _ in range(s.repeats))
         b = statistics.median(bench.bare(step) for _ in range(s.repeats))
-    name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    name = torch.cuda.get_device_name(0) if s.device.type == "cuda" else platform.processor() or "cpu"
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None) if s.device.type == "cuda" else None
     ours_tflops = flops_per_image * o / 1e12
     return {
         "bf16_ours_images_per_s": o,
@@ -377,7 +380,8 @@ def query_cache(s: Setting) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------------- output
 def tables(result: dict[str, Any]) -> str:
     header = "| method | family | ours img/s | bare timm img/s | ratio |"
-    if result["device"] == "cuda":
+    bf16_cols = any("bf16_ours_images_per_s" in r for r in result["client_step"])
+    if bf16_cols:
         header += " bf16 ours img/s | bf16 ratio | bf16 TFLOP/s | of bf16 peak |"
     out = [header, "|" + " --- |" * (header.count("|") - 1)]
     for r in result["client_step"]:
@@ -421,6 +425,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few images, one repeat: checks the script, not speeds")
     ap.add_argument("--cpu", action="store_true", help="measure on the CPU even when a GPU is present")
+    ap.add_argument("--bf16", action="store_true", help="also the bf16-autocast section on the CPU (always on CUDA)")
     ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
     ap.add_argument("--rss-child", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
