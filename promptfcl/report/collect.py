@@ -136,8 +136,11 @@ def groups_from_study(study_dir: str | Path) -> list[Group]:
         plan = json.loads(plan_path.read_text())
         cells = [(c["name"], c.get("sweep", {})) for c in plan["cells"]]
         seeds = plan["seeds"]
-    else:  # a study directory written before study.json existed: every <cell>/seed<k>/ found
-        cells = [(p.name, {}) for p in sorted(out.iterdir()) if p.is_dir() and any(p.glob("seed*/metrics.json"))]
+    else:  # a study directory written before study.json existed: every <cell>/seed<k>/ found, in summary order
+        found = [p.name for p in sorted(out.iterdir()) if p.is_dir() and any(p.glob("seed*/metrics.json"))]
+        summary = out / "summary.json"
+        order = [r["cell"] for r in json.loads(summary.read_text())["rows"]] if summary.is_file() else []
+        cells = [(c, {}) for c in sorted(found, key=lambda c: order.index(c) if c in order else len(order))]
         seeds = None
     if not cells:
         raise ConfigError(f"{out} is not a study directory (no study.json and no <cell>/seed<k>/ runs)")

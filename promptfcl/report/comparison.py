@@ -9,6 +9,7 @@ and environment (package versions, git commit) of every run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -67,7 +68,11 @@ def _commit(run: RunResult) -> str:
 
 
 def _scenario_key(run: RunResult) -> str:
-    return json.dumps([run.config.get("data"), run.config.get("scenario")], sort_keys=True)
+    """Runs with the same scenario.json (class order, tasks, every client's indices) share one heatmap."""
+    path = run.run_dir / "scenario.json"
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return json.dumps([run.config.get("data"), run.config.get("scenario"), run.seed], sort_keys=True)
 
 
 def _rel(path: Path, root: Path) -> str:

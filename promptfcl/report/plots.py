@@ -108,7 +108,9 @@ def plot_accuracy_matrices(matrices: Mapping[str, Sequence[Sequence[float]]], pa
     rows = (n + cols - 1) // cols
     T = max(len(A) for A in matrices.values())
     size = max(2.8, 0.32 * T + 1.2)
-    fig, axes = plt.subplots(rows, cols, figsize=(size * cols + 1.0, size * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(size * cols + 1.2, size * rows + 0.6), squeeze=False, layout="constrained"
+    )
     im = None
     for ax, (name, A) in zip(axes.flat, matrices.items(), strict=False):
         t_n = len(A)
@@ -130,7 +132,7 @@ def plot_accuracy_matrices(matrices: Mapping[str, Sequence[Sequence[float]]], pa
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     if im is not None:
-        fig.colorbar(im, ax=axes, label="accuracy (%)", shrink=0.8)
+        fig.colorbar(im, ax=axes, label="accuracy (%)", shrink=0.8, aspect=30)
     fig.suptitle("accuracy on each task after each training task (mean over seeds)", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
