@@ -104,3 +104,18 @@ def test_sweep_names_use_the_full_path_when_last_parts_clash_and_bad_sweeps_are_
         path = write_study(tmp_path, {"a": {"sweep": bad}})
         with pytest.raises(ConfigError, match=msg):
             load_study(path)
+
+
+def test_missing_backbone_weights_fall_back_to_a_labelled_random_init_only_when_asked(tmp_path) -> None:
+    from promptfcl.study import cell_config
+
+    cells = {"a": {"set": [f"backbone.weights={tmp_path / 'absent.safetensors'}"]}}
+    path = write_study(tmp_path, cells)
+    study, study_dir = load_study(path)
+    with pytest.raises(ConfigError, match="backbone.weights"):
+        plan(study, study_dir, tmp_path / "out")  # default: a missing weights file is an error
+    path = write_study(tmp_path, cells, missing_weights="random_init")
+    study, study_dir = load_study(path)
+    cfg = cell_config(study, study_dir, "a", 0)
+    assert cfg.backbone.weights is None and cfg.name == "mini_a_RANDOM_INIT"
+    assert plan(study, study_dir, tmp_path / "out2")[0].config_path.read_text().count("RANDOM_INIT") == 1
