@@ -13,7 +13,8 @@ pool):
 2. **Server step per round**: the server's share of a round (aggregation plus its own step: HGP's head
    rebalancing on sampled features, HePCo's generator training and distillation) from a short in-process run
    on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one).
-3. **Peak RSS** of a whole run with 1 and with 50 simulated clients, each in its own subprocess.
+3. **Peak RSS** of a whole run (2 tasks x 1 round, 4 images per client, HePCo on its CPU-preset server schedule)
+   with 1 and with 50 simulated clients, each in its own subprocess (`--quick`: `fedavg_prompt` only).
 4. **Query-cache speed-up** of pool client steps: images/s with q(x) cached vs recomputed (flip augmentation,
    several local epochs: the first fills the cache).
 5. **On CUDA** (or with `--bf16` on the CPU): the client step under bf16 autocast (ours and bare), achieved
@@ -60,8 +61,9 @@ FAMILIES = {"fedavg_prompt": "prefix", "hgp": "prefix", "fedl2p": "pool", "fedco
 SERVER_METHODS = ["fedavg_prompt", "hgp", "hepco"]
 CACHE_METHODS = {"hepco": {}, "fedcodap": {}, "fedl2p": {}}
 RSS_METHODS = ["fedavg_prompt", "hepco"]
-# the CPU presets' shorter HePCo server schedule (configs/cpu/hepco_cifar100.yaml) for --quick
-QUICK_SERVER = {"hepco": {"generator_iterations": 20, "generator_extra_per_task": 5, "kd_iterations": 50}}
+# the CPU presets' shorter HePCo server schedule (configs/cpu/hepco_cifar100.yaml): server step with --quick, and
+# the RSS runs (memory does not depend on the iteration count; 50 teachers x the paper's schedule takes long)
+PRESET_SERVER = {"hepco": {"generator_iterations": 20, "generator_extra_per_task": 5, "kd_iterations": 50}}
 # dense bf16 tensor-core peak (TFLOP/s, without sparsity) by device-name fragment
 BF16_PEAK = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 
@@ -90,7 +92,7 @@ def setting(args: argparse.Namespace) -> Setting:
     else:
         s = Setting(device, "vit_tiny_patch16_224", 112, 16, 320, 3, 3, 160)
         if args.quick:
-            s.images, s.repeats, s.cache_epochs, s.cache_images = 64, 1, 2, 48
+            s.images, s.repeats, s.cache_epochs, s.cache_images = 48, 1, 2, 32
     s.bf16 = bool(getattr(args, "bf16", False))
     return s
 
@@ -265,11 +267,13 @@ def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ runs (server, RSS)
-def tiny_run_config(method: str, s: Setting, clients: int, quick: bool, per_client: int = 8) -> dict[str, Any]:
+def tiny_run_config(
+    method: str, s: Setting, clients: int, preset_server: bool, per_client: int = 8, rounds: int = 2
+) -> dict[str, Any]:
     classes = 10
     method_cfg: dict[str, Any] = {"name": method, "local_epochs": 1, "batch_size": s.batch, "augment": "none"}
-    if quick:
-        method_cfg.update(QUICK_SERVER.get(method, {}))
+    if preset_server:
+        method_cfg.update(PRESET_SERVER.get(method, {}))
     return {
         "name": f"perf_{method}",
         "data": {
@@ -284,7 +288,7 @@ def tiny_run_config(method: str, s: Setting, clients: int, quick: bool, per_clie
         "scenario": {
             "num_tasks": 2,
             "num_clients": clients,
-            "rounds_per_task": 2,
+            "rounds_per_task": rounds,
             "partition": {"kind": "iid", "min_samples": 1},
         },
         "backbone": {"name": s.backbone, "img_size": s.img_size},
@@ -309,7 +313,7 @@ def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
             "method": method,
             "server_seconds_per_round": m["timing"]["server_seconds"] / rounds,
             "client_seconds_per_round": m["timing"]["client_seconds"] / rounds,
-            "schedule": "quick (CPU preset)" if quick and method in QUICK_SERVER else "method defaults",
+            "schedule": "CPU preset" if quick and method in PRESET_SERVER else "method defaults",
         }
         rows.append(row)
         print(f"  server step {method:<14} {row['server_seconds_per_round']:.3f} s/round", flush=True)
@@ -319,7 +323,7 @@ def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
 def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
     """Subprocess entry: one short run with `clients` simulated clients, then print its peak RSS as JSON."""
     s = setting(argparse.Namespace(quick=quick, cpu=cpu))
-    run_experiment(tiny_run_config(method, s, clients, quick, per_client=4))
+    run_experiment(tiny_run_config(method, s, clients, True, per_client=4, rounds=1))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
     gpu = torch.cuda.max_memory_allocated() / 2**20 if s.device.type == "cuda" else None
     print(json.dumps({"peak_rss_mb": peak_kb / 1024, "peak_gpu_mb": gpu}))
@@ -327,7 +331,7 @@ def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
 
 def peak_rss(quick: bool, cpu: bool) -> list[dict[str, Any]]:
     rows = []
-    for method in RSS_METHODS:
+    for method in RSS_METHODS[:1] if quick else RSS_METHODS:
         row: dict[str, Any] = {"method": method}
         for clients in (1, 50):
             cmd = [sys.executable, __file__, "--rss-child", method, str(clients)]
