@@ -124,29 +124,37 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
 
 
 def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
+    """Curves, heatmaps and the scatter of the groups that have what each plot needs (ragged seeds skipped)."""
+    blocks: list[Block] = []
     curves = {}
     for g in groups:
-        cs = np.array([r.metrics["accuracy_curve"] for r in g.runs], dtype=float)
-        curves[g.name] = (cs.mean(0).tolist(), cs.std(0, ddof=1).tolist() if len(cs) > 1 else [0.0] * cs.shape[1])
-    plot_mean_accuracy_curves(curves, fig_dir / "accuracy_curves.png")
+        cs = [r.metrics.get("accuracy_curve") for r in g.runs]
+        if all(cs) and len({len(c) for c in cs}) == 1:
+            a = np.array(cs, dtype=float)
+            curves[g.name] = (a.mean(0).tolist(), a.std(0, ddof=1).tolist() if len(a) > 1 else [0.0] * a.shape[1])
+    if curves:
+        plot_mean_accuracy_curves(curves, fig_dir / "accuracy_curves.png")
+        blocks.append(Image(fig_dir / "accuracy_curves.png", "accuracy after each task"))
     matrices = {}
     for g in groups:
-        mats = [r.metrics["accuracy_matrix"] for r in g.runs]
-        T = len(mats[0])
-        matrices[g.name] = [[float(np.mean([m[t][i] for m in mats])) for i in range(t + 1)] for t in range(T)]
-    plot_accuracy_matrices(matrices, fig_dir / "accuracy_matrices.png")
+        mats = [r.metrics.get("accuracy_matrix") for r in g.runs]
+        if all(mats) and len({len(m) for m in mats}) == 1:
+            T = len(mats[0])
+            matrices[g.name] = [[float(np.mean([m[t][i] for m in mats])) for i in range(t + 1)] for t in range(T)]
+    if matrices:
+        plot_accuracy_matrices(matrices, fig_dir / "accuracy_matrices.png")
+        blocks.append(Image(fig_dir / "accuracy_matrices.png", "accuracy matrices"))
     points = {}
     for g in groups:
-        mb = mean_std([r.total_mb for r in g.runs])
-        faa = mean_std([r.column_values()["FAA (%)"] for r in g.runs])
-        points[g.name] = (mb[0], mb[1], faa[0], faa[1])
-    plot_accuracy_vs_communication(points, fig_dir / "accuracy_vs_communication.png")
-    blocks: list[Block] = [
-        Image(fig_dir / "accuracy_curves.png", "accuracy after each task"),
-        Image(fig_dir / "accuracy_matrices.png", "accuracy matrices"),
-        Image(fig_dir / "accuracy_vs_communication.png", "accuracy vs communication"),
-        Heading("Scenarios: training samples per client and class", 3),
-    ]
+        faas = [r.column_values().get("FAA (%)") for r in g.runs]
+        if all(f is not None for f in faas):
+            mb = mean_std([r.total_mb for r in g.runs])
+            faa = mean_std([float(f) for f in faas])  # type: ignore[arg-type]
+            points[g.name] = (mb[0], mb[1], faa[0], faa[1])
+    if points:
+        plot_accuracy_vs_communication(points, fig_dir / "accuracy_vs_communication.png")
+        blocks.append(Image(fig_dir / "accuracy_vs_communication.png", "accuracy vs communication"))
+    blocks.append(Heading("Scenarios: training samples per client and class", 3))
     families: dict[str, list[Group]] = {}
     for g in groups:
         families.setdefault(_scenario_key(g.runs[0]), []).append(g)
