@@ -396,7 +396,7 @@ def tables(result: dict[str, Any]) -> str:
         if "bf16_ours_images_per_s" in r:
             frac = r["bf16_ours_fraction_of_peak"]
             line += (
-                f" {r['bf16_ours_images_per_s']:.1f} | {r['bf16_ratio']:.3f} | {r['bf16_ours_tflops']:.1f} |"
+                f" {r['bf16_ours_images_per_s']:.1f} | {r['bf16_ratio']:.3f} | {r['bf16_ours_tflops']:.3g} |"
                 f" {'–' if frac is None else f'{100 * frac:.1f} %'} |"
             )
         out.append(line)
