@@ -34,12 +34,14 @@ COLUMN_NOTES = (
 
 def backbone_label(cfg: dict[str, Any]) -> str:
     b = cfg.get("backbone", {})
+    clip = b.get("kind") == "clip"
+    hub = f"pretrained (hub{', tag ' + str(b.get('tag')) if clip else ''})"
     where = (
         f"weights {Path(b['weights']).name}"
         if b.get("weights")
-        else ("pretrained (hub)" if b.get("pretrained") else "**RANDOM INIT (no pretrained weights)**")
+        else (hub if b.get("pretrained") else "**RANDOM INIT (no pretrained weights)**")
     )
-    return f"{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}"
+    return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}"
 
 
 def scenario_label(cfg: dict[str, Any]) -> str:
