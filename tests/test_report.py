@@ -75,3 +75,19 @@ def test_report_refuses_a_folder_that_is_not_a_study(tmp_path, capsys) -> None:
     assert "not a study directory" in " ".join(capsys.readouterr().err.split())  # rich wraps long paths
     assert main(["compare", str(tmp_path)]) == 2
     assert "no finished run" in " ".join(capsys.readouterr().err.split())
+
+
+def test_long_tailed_class_groups_become_the_first_columns(tmp_path) -> None:
+    from promptfcl.report.collect import Group, RunResult, aggregate
+
+    def run(seed: int, tail: float) -> RunResult:
+        summary = {"faa": 50.0, "average_forgetting": 0.0, "bwt": 0.0,
+                   "class_groups": {"overall": 50.0, "head": 70.0, "mid": 40.0, "tail": tail}}  # fmt: skip
+        metrics = {"method": "capt", "seed": seed, "summary": summary,
+                   "communication": {"mb_per_round": 1.0}, "timing": {"total_seconds": 2.0}}  # fmt: skip
+        return RunResult(tmp_path, metrics, {"seed": seed}, "", {})
+
+    rows, columns = aggregate([Group("capt", [run(0, 10.0), run(1, 20.0)])])
+    assert columns[:5] == ["overall (%)", "head (%)", "mid (%)", "tail (%)", "FAA (%)"]
+    assert "forgetting (%)" not in columns and "BWT (%)" not in columns  # one task: not defined
+    assert rows[0]["values"]["tail (%)"] == pytest.approx((15.0, statistics.stdev([10.0, 20.0])))

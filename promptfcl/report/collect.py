@@ -172,7 +172,8 @@ def aggregate(groups: list[Group]) -> tuple[list[dict[str, Any]], list[str]]:
         fixed = grouped + fixed
     else:
         fixed = fixed + grouped
-    columns = fixed + [c for c in extra if c not in fixed and c not in tail] + tail
+    known = {*FIXED_SUMMARY.values(), *grouped, *tail}
+    columns = fixed + [c for c in extra if c not in known] + tail
     rows = []
     for g, vals in zip(groups, per_group, strict=True):
         values: dict[str, tuple[float, float] | None] = {}
