@@ -10,6 +10,8 @@ pool):
    layout (prefix lengths per layer, or input tokens) as trainable tensors, for pools a no-grad query forward
    first, CE, backward, Adam. Same images and batch, interleaved; the median of `--repeats` is reported and
    the ratio ours / bare (1.0 = no overhead). Pools run with the query cache off here (section 4 measures it).
+   The ratio counts method work the bare step does not do as overhead: HGP's client step also computes its
+   class statistics (one more forward over the data), so its ratio is below the prefix family's by design.
 2. **Server step per round**: the server's share of a round (aggregation plus its own step: HGP's head
    rebalancing on sampled features, HePCo's generator training and distillation) from a short in-process run
    on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one).
