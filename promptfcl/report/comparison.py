@@ -54,6 +54,8 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         part = f"HePCo κ={p.get('category_ratio')} γ={p.get('split_ratio')} β={p.get('imbalance')}"
     else:
         part = kind
+    if s.get("kind") == "long_tailed":
+        part = f"long-tailed IF={(s.get('long_tail') or {}).get('imbalance_factor')}, {part}"
     per_class = f", {d.get('train_per_class')}/{d.get('test_per_class')} train/test per class"
     sub = per_class if d.get("train_per_class") or d.get("test_per_class") else ""
     return (
@@ -131,7 +133,7 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
     curves = {}
     for g in groups:
         cs = [r.metrics.get("accuracy_curve") for r in g.runs]
-        if all(cs) and len({len(c) for c in cs}) == 1:
+        if all(cs) and len({len(c) for c in cs}) == 1 and len(cs[0]) > 1:  # one task: nothing to plot over
             a = np.array(cs, dtype=float)
             curves[g.name] = (a.mean(0).tolist(), a.std(0, ddof=1).tolist() if len(a) > 1 else [0.0] * a.shape[1])
     if curves:
@@ -140,12 +142,15 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
     matrices = {}
     for g in groups:
         mats = [r.metrics.get("accuracy_matrix") for r in g.runs]
-        if all(mats) and len({len(m) for m in mats}) == 1:
+        if all(mats) and len({len(m) for m in mats}) == 1 and len(mats[0]) > 1:
             T = len(mats[0])
             matrices[g.name] = [[float(np.mean([m[t][i] for m in mats])) for i in range(t + 1)] for t in range(T)]
     if matrices:
         plot_accuracy_matrices(matrices, fig_dir / "accuracy_matrices.png")
         blocks.append(Image(fig_dir / "accuracy_matrices.png", "accuracy matrices"))
+    single = [g.name for g in groups if g.name not in matrices]
+    if single:
+        blocks.append(Text("No curve or accuracy matrix for " + ", ".join(f"`{n}`" for n in single) + " (one task)."))
     points = {}
     for g in groups:
         faas = [r.column_values().get("FAA (%)") for r in g.runs]

@@ -149,10 +149,13 @@ def plot_accuracy_vs_communication(
         log_x = min(xs) > 0 and max(xs) / min(xs) > 20
     for (name, (x, xe, y, ye)), (color, marker) in zip(points.items(), _styles(n), strict=True):
         ax.errorbar(x, y, xerr=xe or None, yerr=ye or None, fmt=marker, color=color, label=name, ms=6, capsize=3)
-        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
+        if n <= 6:  # beyond that the legend outside the axes names the points; labels would collide
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
     ax.margins(x=0.15, y=0.12)
     if log_x:
         ax.set_xscale("log")
+    else:
+        ax.set_xlim(left=-0.03 * max(max(xs), 1e-9))  # points at 0 MB (zero-shot) stay visible
     ax.set_xlabel("total communication per run, up + down (MB" + (", log scale)" if log_x else ")"))
     ax.set_ylabel("final average accuracy, FAA (%)")
     ax.grid(alpha=0.3, which="both")
