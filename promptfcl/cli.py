@@ -1,5 +1,6 @@
 """Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
-`promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl list`."""
+`promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
+`promptfcl list`."""
 
 from __future__ import annotations
 
@@ -116,6 +117,30 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _transfer(args: argparse.Namespace) -> int:
+    """Recompute a task-aware run's transfer metrics against a direct reference run; update its metrics.json."""
+    import json
+
+    from promptfcl.evaluation.regimes import load_direct_points, slot_summary
+    from promptfcl.report.results import clean_json
+    from promptfcl.scenario.scenario import Scenario
+
+    run = Path(args.run_dir)
+    path = run / "metrics.json"
+    if not path.is_file():
+        raise ConfigError(f"{run} holds no finished run (no metrics.json)")
+    metrics = json.loads(path.read_text())
+    if "evaluations" not in metrics:
+        raise ConfigError(f"{run} is not a task-aware per-(client, task) run (asynchronous scenario)")
+    scenario = Scenario.load(run / "scenario.json")
+    summary = slot_summary(scenario, metrics["evaluations"], load_direct_points(args.direct))
+    metrics.update(summary=summary, direct_reference=str(args.direct))
+    path.write_text(json.dumps(clean_json(metrics), indent=2))
+    for k, v in summary.items():
+        console.print(f"{k:<26} {v:8.2f}")
+    return 0
+
+
 def _flower_app(args: argparse.Namespace) -> int:
     from promptfcl.flower.project import write_app
 
@@ -191,6 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="(re)write a study directory's report.md + report.html")
     rp.add_argument("study_dir", help="the --out folder of promptfcl study")
     rp.set_defaults(func=_report)
+    tr = sub.add_parser(
+        "transfer",
+        help="transfer metrics (Acc, AIA, forgetting, BWT, FWT, total) of a task-aware run against a direct run",
+    )
+    tr.add_argument("run_dir", help="finished run on an asynchronous scenario")
+    tr.add_argument(
+        "--direct",
+        required=True,
+        help="finished direct reference run of the same scenario and seed (promptfcl run CONFIG --set "
+        "method.name=codap_direct)",
+    )
+    tr.set_defaults(func=_transfer)
     fa = sub.add_parser("flower-app", help="write the Flower app project that `flwr run` deploys")
     fa.add_argument("directory", nargs="?", default="flower-app")
     fa.set_defaults(func=_flower_app)

@@ -21,6 +21,8 @@ overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its o
 finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint, and up to
 `jobs` run at once with the CPU threads split between them. The table (mean ± std over seeds) goes to
 `OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report OUT` reads).
+`direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
+total transfer) of asynchronous (Powder/C2Prompt) runs; they are computed at summary time, per seed.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from promptfcl.checkpoint import atomic_write_text
 from promptfcl.config import (
@@ -93,6 +95,17 @@ class StudyConfig(StrictModel):
         "backbone (the run is named <study>_<cell>_RANDOM_INIT and reports flag it)",
     )
     cells: dict[str, CellConfig] = Field(min_length=1)
+    direct_cell: str | None = Field(
+        None,
+        description="cell whose runs are the direct single-task reference: every other task-aware cell's FWT and "
+        "total transfer are computed against its run of the same seed (asynchronous scenarios)",
+    )
+
+    @model_validator(mode="after")
+    def _direct_cell_exists(self) -> StudyConfig:
+        if self.direct_cell is not None and self.direct_cell not in self.cells:
+            raise ValueError(f"direct_cell {self.direct_cell!r} is not one of the cells {sorted(self.cells)}")
+        return self
 
     @field_validator("sweep")
     @classmethod
@@ -209,6 +222,7 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
         "study": study.name,
         "seeds": study.seeds,
         "cells": [{"name": c.name, "source": c.source, "sweep": c.point} for c in cells],
+        "direct_cell": study.direct_cell,
     }
     atomic_write_text(out / "study.json", json.dumps(plan_json, indent=2))
     return runs

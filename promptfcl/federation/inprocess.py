@@ -37,8 +37,11 @@ def run_client(
     task, rnd = int(message.scalars["task"]), int(message.scalars["round"])
     client_seed = derive_seed(seed, "client", task, rnd, client_id, message.kind)
     seed_everything(client_seed)
-    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), scenario.label_space.class_to_logit)
-    ctx = ClientContext(client_id, task, rnd, state, data, client_seed, device)
+    label_task = scenario.label_task(task, client_id)
+    data = LabeledSubset.of(
+        train, scenario.client_indices(task, client_id), scenario.label_space.task_class_to_logit(label_task)
+    )
+    ctx = ClientContext(client_id, task, rnd, state, data, client_seed, device, label_task)
     return client.handle(message, ctx)
 
 

@@ -148,7 +148,29 @@ def groups_from_study(study_dir: str | Path) -> list[Group]:
     for name, sweep in cells:
         dirs = [out / name / f"seed{s}" for s in seeds] if seeds is not None else sorted((out / name).glob("seed*"))
         groups.append(Group(name, [load_run(d) for d in dirs if (d / "metrics.json").is_file()], sweep))
+    if plan_path.is_file() and plan.get("direct_cell"):
+        apply_direct_reference(groups, plan["direct_cell"])
     return groups
+
+
+def apply_direct_reference(groups: list[Group], direct: str) -> None:
+    """Recompute (in memory) the summary of every task-aware per-(client, task) run against the `direct` group's
+    run of the same seed, so FWT and total transfer appear in the table (Powder's *_direct reference)."""
+    from promptfcl.evaluation.regimes import points_from_log, slot_summary
+    from promptfcl.report.results import clean_json
+    from promptfcl.scenario.scenario import Scenario
+
+    reference = {r.seed: r for g in groups if g.name == direct for r in g.runs}
+    for g in groups:
+        if g.name == direct:
+            continue
+        for run in g.runs:
+            ref = reference.get(run.seed)
+            if ref is None or "evaluations" not in run.metrics or "evaluations" not in ref.metrics:
+                continue
+            scenario = Scenario.load(run.run_dir / "scenario.json")
+            summary = slot_summary(scenario, run.metrics["evaluations"], points_from_log(ref.metrics["evaluations"]))
+            run.metrics["summary"] = clean_json(summary)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

@@ -167,3 +167,39 @@ def plot_accuracy_vs_communication(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_task_timeline(schedule: Sequence[Sequence[int]], owners: Sequence[Sequence[int]] | None, path: Path) -> None:
+    """Client × stage grid of the task each client trains (asynchronous scenarios); a switch is marked by *."""
+    stages, clients = len(schedule), len(schedule[0])
+    task = np.array([[owners[g][1] if owners else g for g in row] for row in schedule]).T  # (clients, stages)
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 0.7 * stages), max(2.8, 1.2 + 0.45 * clients)))
+    im = ax.imshow(task, aspect="auto", cmap="tab10", vmin=-0.5, vmax=9.5, interpolation="nearest")
+    for k in range(clients):
+        for s in range(stages):
+            new = s > 0 and schedule[s][k] != schedule[s - 1][k]
+            ax.text(s, k, f"{task[k, s]}{'*' if new else ''}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("stage")
+    ax.set_ylabel("client")
+    ax.set_xticks(range(stages))
+    ax.set_yticks(range(clients))
+    ax.set_title("task index per client and stage (* = switch)")
+    fig.colorbar(im, ax=ax, label="task index")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_slot_accuracy(matrix: Sequence[Sequence[float | None]], path: Path, title: str = "") -> None:
+    """Stage × label-space task accuracy of a task-aware per-(client, task) run (blank: not trained yet)."""
+    M = np.array([[np.nan if v is None else v for v in row] for row in matrix], dtype=float)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(5.0, 1.5 + 0.35 * M.shape[1])), max(3.0, 1.2 + 0.5 * M.shape[0])))
+    im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("label-space task (client, task) slot group")
+    ax.set_ylabel("after stage")
+    ax.set_yticks(range(M.shape[0]))
+    ax.set_title(title or "task-aware accuracy (%)")
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

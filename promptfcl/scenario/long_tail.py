@@ -89,8 +89,8 @@ def build_long_tailed(
 def build_scenario(
     cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
 ) -> Scenario:
-    """The scenario family `cfg.kind` names."""
-    from promptfcl.scenario.scenario import build_class_incremental
+    """The scenario family `cfg.kind` names (kept for callers of this module; the one dispatch is
+    `scenario.scenario.build_scenario`)."""
+    from promptfcl.scenario.scenario import build_scenario as dispatch
 
-    build = build_long_tailed if cfg.kind == "long_tailed" else build_class_incremental
-    return build(cfg, train_targets, test_targets, num_classes, seed)
+    return dispatch(cfg, train_targets, test_targets, num_classes, seed)

@@ -1,0 +1,219 @@
+"""Evaluation regimes, dispatched in one place (`build_regime`) from `eval.regime` and the scenario kind.
+
+- `ClassIncrementalRegime` (`task_agnostic` / `task_aware` over global tasks): the global model on every seen task
+  after each task → the accuracy matrix, FAA, forgetting, BWT (`evaluation.metrics`).
+- `SlotRegime` (`task_aware` on an asynchronous scenario, Powder/C2Prompt): at every stage end (and every round
+  with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
+  classes with logits masked to its own slots, using the model the server holds for that client
+  (`ServerProgram.client_model`; `eval.model: global` forces the global model) → the transfer metrics of
+  `evaluation.transfer`, FWT against `eval.direct_reference`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from promptfcl.config import ConfigError, EvalConfig
+from promptfcl.data.base import ImageSplit
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.evaluation.evaluator import Evaluator
+from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
+from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
+from promptfcl.federation.protocol import ServerProgram
+from promptfcl.scenario.scenario import Scenario
+
+
+class ClassIncrementalRegime:
+    """The accuracy matrix of the global model over global tasks (class-incremental and static long-tailed runs),
+    with overall / head / mid / tail accuracy when the scenario defines class groups."""
+
+    name = "class_incremental"
+
+    def __init__(self, evaluator: Evaluator, class_groups: dict[str, list[int]] | None = None) -> None:
+        self.evaluator = evaluator
+        self.class_groups = class_groups
+
+    def init_state(self, state: dict[str, Any]) -> None:
+        state.update(accuracy_matrix=[], correct=[], total=[])
+
+    def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
+        results = self.evaluator.evaluate(server.global_model(), task)
+        entry: dict[str, Any] = {"accuracy": [r.accuracy for r in results]}
+        if self.class_groups is not None:
+            entry["class_groups"] = self.group_accuracy(results)
+        if last:
+            state["accuracy_matrix"].append([r.accuracy for r in results])
+            state["correct"] = [r.correct for r in results]
+            state["total"] = [r.total for r in results]
+            if self.class_groups is not None:
+                state["class_groups"] = entry["class_groups"]
+        return entry
+
+    def group_accuracy(self, results: list[Any]) -> dict[str, float]:
+        """Overall / head / mid / tail accuracy over every evaluated task's test images."""
+        correct: dict[int, int] = {}
+        total: dict[int, int] = {}
+        for r in results:
+            correct.update(r.class_correct or {})
+            total.update(r.class_total or {})
+        return class_group_accuracy(correct, total, self.class_groups or {})
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        A = state["accuracy_matrix"]
+        groups = {"class_groups": state["class_groups"]} if "class_groups" in state else {}
+        return {
+            "summary": {**summarize(A, state["correct"], state["total"]), **groups},
+            "accuracy_matrix": A,
+            "accuracy_curve": accuracy_curve(A),
+        }
+
+
+class SlotEvaluator:
+    """Masked accuracy per label-space task; each model's logits are computed once per test image."""
+
+    def __init__(
+        self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int, device: torch.device
+    ) -> None:
+        self.test, self.scenario, self.transform = test, scenario, transform
+        self.batch_size, self.device = batch_size, device
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, idx: np.ndarray) -> torch.Tensor:
+        model.eval()
+        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), self.test.targets[idx])
+        return torch.cat([model(x).cpu() for x, _ in sub.batches(self.batch_size, self.transform, device=self.device)])
+
+    def evaluate(self, models: dict[int, nn.Module], label_tasks: list[int]) -> list[dict[str, Any]]:
+        """{label_task, client, client_task, correct, total, accuracy} per label-space task g, with `models[g]`."""
+        s, space = self.scenario, self.scenario.label_space
+        owners = s.owners or [(0, g) for g in range(len(s.task_classes))]
+        by_model: dict[int, list[int]] = {}
+        for g in label_tasks:
+            by_model.setdefault(id(models[g]), []).append(g)
+        out = []
+        for groups in by_model.values():
+            model = models[groups[0]]
+            union = np.unique(np.concatenate([s.test_indices[g] for g in groups]))
+            logits = self.logits(model, union)
+            for g in groups:
+                pos = torch.as_tensor(np.searchsorted(union, s.test_indices[g]), dtype=torch.long)
+                slots = torch.tensor(space.tasks[g].logits, dtype=torch.long)
+                target = space.task_class_to_logit(g)[self.test.targets[s.test_indices[g]]] - slots[0]
+                pred = logits[pos][:, slots].argmax(dim=1)
+                correct, total = int((pred == target).sum()), len(pos)
+                out.append(
+                    {
+                        "label_task": g,
+                        "client": owners[g][0],
+                        "client_task": owners[g][1],
+                        "correct": correct,
+                        "total": total,
+                        "accuracy": 100.0 * correct / total if total else float("nan"),
+                    }
+                )
+        return sorted(out, key=lambda r: r["label_task"])
+
+
+def points_from_log(log: list[dict[str, Any]], stage_end_only: bool = True) -> list[dict[int, float]]:
+    """[evaluation point] → {label_task: accuracy} from the per-(client, task) evaluation log."""
+    keys: dict[tuple[int, int], dict[int, float]] = {}
+    for r in log:
+        if stage_end_only and not r["stage_end"]:
+            continue
+        keys.setdefault((r["stage"], r["round"]), {})[r["label_task"]] = r["accuracy"]
+    return [keys[k] for k in sorted(keys)]
+
+
+def load_direct_points(run_dir: str | Path) -> list[dict[int, float]]:
+    """Stage-end points of a finished direct (single-task) run."""
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise ConfigError(f"eval.direct_reference: {path} not found; run the direct reference first")
+    m = json.loads(path.read_text())
+    if "evaluations" not in m:
+        raise ConfigError(f"eval.direct_reference: {run_dir} is not a task-aware per-(client, task) run")
+    return points_from_log(m["evaluations"])
+
+
+def slot_summary(
+    scenario: Scenario, log: list[dict[str, Any]], direct: list[dict[int, float]] | None = None
+) -> dict[str, Any]:
+    """Transfer metrics of a run's per-(client, task) evaluation log (FWT/total transfer with a direct log)."""
+    points = points_from_log(log)
+    finished = [scenario.finished_label_tasks(s) for s in range(len(points))]
+    last = [r for r in log if r["stage_end"] and r["stage"] == len(points) - 1]
+    if direct is not None and len(direct) != len(points):
+        raise ConfigError(f"the direct reference has {len(direct)} evaluation points, this run {len(points)}")
+    return transfer_summary(
+        points,
+        finished,
+        direct,
+        points_from_log(log, stage_end_only=False),
+        sum(r["correct"] for r in last),
+        sum(r["total"] for r in last),
+    )
+
+
+class SlotRegime:
+    """Task-aware accuracy per (client, task) on its own slots, with the client's model (asynchronous runs)."""
+
+    name = "task_aware_slots"
+
+    def __init__(self, evaluator: SlotEvaluator, cfg: EvalConfig) -> None:
+        self.evaluator, self.cfg = evaluator, cfg
+        self.scenario = evaluator.scenario
+
+    def init_state(self, state: dict[str, Any]) -> None:
+        state["evaluations"] = []
+
+    def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
+        owners, tasks = self.scenario.owners or [], self.scenario.trained_label_tasks(task)
+        models = {
+            g: server.client_model(owners[g][0], g) if self.cfg.model == "auto" else server.global_model()
+            for g in tasks
+        }
+        results = self.evaluator.evaluate(models, tasks)
+        for r in results:
+            state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
+        return {"accuracy": {str(r["label_task"]): r["accuracy"] for r in results}}
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        log = state["evaluations"]
+        direct = load_direct_points(self.cfg.direct_reference) if self.cfg.direct_reference else None
+        points = points_from_log(log)
+        n_tasks = len(self.scenario.task_classes)
+        matrix = [[p.get(g) for g in range(n_tasks)] for p in points]
+        return {
+            "regime": self.name,
+            "summary": slot_summary(self.scenario, log, direct),
+            "accuracy_matrix": matrix,
+            "accuracy_curve": stage_accuracy(points),
+            "evaluations": log,
+            "direct_reference": self.cfg.direct_reference,
+        }
+
+
+def build_regime(
+    cfg: EvalConfig, scenario: Scenario, test: ImageSplit, transform: ImageTransform, device: torch.device
+) -> ClassIncrementalRegime | SlotRegime:
+    """The evaluation regime of a run: the one place `eval.regime` is dispatched."""
+    if scenario.schedule is not None:
+        if cfg.regime == "task_agnostic":
+            raise ConfigError(
+                "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat "
+                "under several logits); use task_aware or auto"
+            )
+        return SlotRegime(SlotEvaluator(test, scenario, transform, cfg.batch_size, device), cfg)
+    regime = "task_agnostic" if cfg.regime == "auto" else cfg.regime
+    groups = scenario.class_groups if cfg.class_groups is not False else None
+    if cfg.class_groups and groups is None:
+        raise ConfigError("eval.class_groups: the scenario defines no class groups; use scenario.kind: long_tailed")
+    evaluator = Evaluator(test, scenario, transform, cfg.batch_size, device, regime, per_class=groups is not None)
+    return ClassIncrementalRegime(evaluator, groups)
