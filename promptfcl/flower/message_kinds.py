@@ -6,4 +6,4 @@ learn their kinds: the list lives here, and a test checks it equals every regist
 `ClientProgram.message_kinds`.
 """
 
-CLIENT_MESSAGE_KINDS: tuple[str, ...] = ("train", "label_counts", "update")  # the last two: CAPT
+CLIENT_MESSAGE_KINDS: tuple[str, ...] = ("train", "label_counts", "update", "stats")  # CAPT: 2nd, 3rd; C2Prompt: stats
