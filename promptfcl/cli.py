@@ -1,4 +1,6 @@
-"""Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`, `promptfcl list`."""
+"""Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
+`promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
+`promptfcl list`."""
 
 from __future__ import annotations
 
@@ -58,6 +60,12 @@ def _study(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("results") / "studies" / study.name
     runs = plan(study, study_dir, out)
     todo = [r for r in runs if not r.finished]
+    random_init = sorted({r.cell for r in runs if "RANDOM_INIT" in r.config_path.read_text()})
+    if random_init:
+        console.print(
+            f"[bold yellow]warning:[/bold yellow] backbone weights not found; {', '.join(random_init)} run on a "
+            "RANDOM-INIT backbone (missing_weights: random_init); their accuracies test mechanics only"
+        )
     console.print(
         f"study {study.name}: {len(runs)} runs ({len(runs) - len(todo)} already finished) in {out}, "
         f"{args.jobs} at a time"
@@ -72,8 +80,65 @@ def _study(args: argparse.Namespace) -> int:
         console.print(f"  {run.cell} seed {run.seed}: {status}")
 
     results = execute(runs, args.jobs, done)
-    console.print(summarize_study(study, runs, out))
+    console.print(summarize_study(study, out))
+    if not args.no_report and any(r.finished for r in runs):
+        _write_study_report(out, study.name)
     return 1 if any(rc != 0 for _, rc in results) else 0
+
+
+def _write_study_report(out: Path, name: str | None = None) -> None:
+    from promptfcl.report.collect import groups_from_study
+    from promptfcl.report.comparison import write_report
+
+    groups = groups_from_study(out)
+    title = f"Study {name or out.name}"
+    path = write_report(groups, out, title, f"Study directory `{out}`.")
+    console.print(f"report: {path} and {path.with_suffix('.html')} (self-contained)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    out = Path(args.study_dir)
+    plan = out / "study.json"
+    name = json.loads(plan.read_text())["study"] if plan.is_file() else None
+    _write_study_report(out, name)
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from promptfcl.report.collect import groups_from_runs
+    from promptfcl.report.comparison import write_report
+
+    out = Path(args.out) if args.out else Path("results") / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
+    groups = groups_from_runs(args.run_dirs)
+    path = write_report(groups, out, args.title, "Runs: " + ", ".join(f"`{d}`" for d in args.run_dirs) + ".")
+    console.print(f"report: {path} and {path.with_suffix('.html')} (self-contained)")
+    return 0
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    """Recompute a task-aware run's transfer metrics against a direct reference run; update its metrics.json."""
+    import json
+
+    from promptfcl.evaluation.regimes import load_direct_points, slot_summary
+    from promptfcl.report.results import clean_json
+    from promptfcl.scenario.scenario import Scenario
+
+    run = Path(args.run_dir)
+    path = run / "metrics.json"
+    if not path.is_file():
+        raise ConfigError(f"{run} holds no finished run (no metrics.json)")
+    metrics = json.loads(path.read_text())
+    if "evaluations" not in metrics:
+        raise ConfigError(f"{run} is not a task-aware per-(client, task) run (asynchronous scenario)")
+    scenario = Scenario.load(run / "scenario.json")
+    summary = slot_summary(scenario, metrics["evaluations"], load_direct_points(args.direct))
+    metrics.update(summary=summary, direct_reference=str(args.direct))
+    path.write_text(json.dumps(clean_json(metrics), indent=2))
+    for k, v in summary.items():
+        console.print(f"{k:<26} {v:8.2f}")
+    return 0
 
 
 def _flower_app(args: argparse.Namespace) -> int:
@@ -140,7 +205,29 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("study", help="study YAML (base config, seeds, cells)")
     st.add_argument("--out", help="study directory (default: results/studies/NAME)")
     st.add_argument("--jobs", type=int, default=1, help="runs at once (CPU threads are split between them)")
+    st.add_argument("--no-report", action="store_true", help="write only summary.md/csv/json, not report.md/html")
     st.set_defaults(func=_study)
+    cp = sub.add_parser("compare", help="compare finished runs: report.md + self-contained report.html")
+    cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (seeds of one config "
+                    "are averaged)")  # fmt: skip
+    cp.add_argument("--out", help="report folder (default: results/comparisons/TIMESTAMP)")
+    cp.add_argument("--title", default="Comparison", help="report title")
+    cp.set_defaults(func=_compare)
+    rp = sub.add_parser("report", help="(re)write a study directory's report.md + report.html")
+    rp.add_argument("study_dir", help="the --out folder of promptfcl study")
+    rp.set_defaults(func=_report)
+    tr = sub.add_parser(
+        "transfer",
+        help="transfer metrics (Acc, AIA, forgetting, BWT, FWT, total) of a task-aware run against a direct run",
+    )
+    tr.add_argument("run_dir", help="finished run on an asynchronous scenario")
+    tr.add_argument(
+        "--direct",
+        required=True,
+        help="finished direct reference run of the same scenario and seed (promptfcl run CONFIG --set "
+        "method.name=codap_direct)",
+    )
+    tr.set_defaults(func=_transfer)
     fa = sub.add_parser("flower-app", help="write the Flower app project that `flwr run` deploys")
     fa.add_argument("directory", nargs="?", default="flower-app")
     fa.set_defaults(func=_flower_app)

@@ -95,11 +95,31 @@ class PersonalizedConfig(StrictModel):
     local_test_fraction: float = Field(0.3, gt=0, lt=1, description="share of each client-task set held out")
 
 
-class ScenarioConfig(StrictModel):
-    """A federated scenario: class-incremental tasks, per-client task sequences (`kind: personalized`), or one
-    static long-tailed task (`kind: long_tailed`)."""
+class AsynchronousConfig(StrictModel):
+    """Powder / C2Prompt's asynchronous task switching (`scenario.kind: asynchronous`).
 
-    kind: Literal["class_incremental", "long_tailed", "personalized"] = "class_incremental"
+    Every client has its own sequence of `num_tasks` tasks of `classes_per_task` real classes; task j > 0 (in
+    client-major order) reuses a uniform number s ∈ [min_overlap, classes_per_task] of the classes of a random
+    earlier task (of any client), the rest drawn fresh. Each (client, task) owns its own logit slots. The run has
+    `num_tasks` stages of `rounds_per_task` rounds; at each stage boundary s a random `switching_clients` clients
+    jump to task s of their own sequence (skipping tasks), the others keep their current task. Each task uses the
+    slice (ordinal mod `data_slices`) of a fixed seeded permutation of every class's training images.
+    """
+
+    switching_clients: int | None = Field(None, ge=0, description="clients that switch per stage; default ⌊K/2⌋")
+    min_overlap: int = Field(0, ge=0, description="Powder's `sim`: least classes reused from an earlier task")
+    data_slices: int = Field(5, gt=0, description="each task uses 1/data_slices of every class's images")
+
+
+class ScenarioConfig(StrictModel):
+    """A federated scenario: class-incremental tasks, one static long-tailed task (`kind: long_tailed`),
+    Powder/C2Prompt's per-client task sequences with asynchronous switching (`kind: asynchronous`, see
+    `AsynchronousConfig`; `num_tasks` is both the number of stages and each client's sequence length,
+    `classes_per_task` one int, the partition is not used), or FedMGP's per-client task sequences with local test
+    splits (`kind: personalized`, see `PersonalizedConfig`). Builders are dispatched in
+    `promptfcl.scenario.scenario.build_scenario`."""
+
+    kind: Literal["class_incremental", "long_tailed", "asynchronous", "personalized"] = "class_incremental"
     num_tasks: int = Field(10, gt=0)
     classes_per_task: int | list[int] | None = Field(
         None, description="classes in each task; default: all classes split evenly over num_tasks"
@@ -109,6 +129,7 @@ class ScenarioConfig(StrictModel):
     rounds_per_task: int = Field(5, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
+    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)
     personalized: PersonalizedConfig = Field(default_factory=PersonalizedConfig, description="kind: personalized")
     long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
 
@@ -163,7 +184,16 @@ class EngineConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """When and how the global model is evaluated."""
+    """When and how the global model is evaluated.
+
+    `regime` (dispatched in `promptfcl.evaluation.regimes.build_regime`): `auto` = task-agnostic for
+    class-incremental scenarios, task-aware per (client, task) for asynchronous ones, client_local for personalized
+    ones; `task_agnostic` (all seen logits compete); `task_aware` (each task's own logits); `client_local` (FedMGP:
+    each client tests its own model on its local test splits, task-aware, with KR_t / KR_s; personalized only).
+    `model`: `auto` evaluates each (client, task) with the model the server holds for that client (client-specific
+    under C2Prompt's CPA, else the global one); `global` always uses the global model. `direct_reference`: the run
+    directory of a `direct` single-task run with the same scenario and seed, for forward transfer.
+    """
 
     every_round: bool = Field(False, description="also evaluate after every round (slower)")
     batch_size: int = Field(256, gt=0)
@@ -172,11 +202,9 @@ class EvalConfig(StrictModel):
         description="report overall/head/mid/tail accuracy (static long-tailed evaluation); "
         "default: whenever the scenario defines class groups (scenario.kind: long_tailed)",
     )
-    regime: Literal["task_agnostic", "task_aware", "client_local"] = Field(
-        "task_agnostic",
-        description="task_agnostic / task_aware: the server tests the global model on the test split; client_local: "
-        "each client tests its own model on its local test splits, task-aware (needs scenario.kind: personalized)",
-    )
+    regime: Literal["auto", "task_agnostic", "task_aware", "client_local"] = "auto"
+    model: Literal["auto", "global"] = "auto"
+    direct_reference: str | None = Field(None, description="run dir of the direct single-task run (FWT)")
     retention_every_round: bool = Field(
         True, description="client_local: also measure KR_t / KR_s after every round (else only after each task)"
     )

@@ -17,16 +17,15 @@ from rich.table import Table
 
 from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
-from promptfcl.evaluation.client_local import retention_summary
-from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
-from promptfcl.evaluation.regimes import build_evaluation
+from promptfcl.environment import environment_info
+from promptfcl.evaluation.regimes import build_regime
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import Grid, RoundInfo
-from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks
+from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks, plot_task_timeline
 from promptfcl.report.progress import RunProgress
 from promptfcl.report.results import clean_json, summary_rows, write_final, write_rounds
-from promptfcl.runtime import Runtime, check_config, environment_info, resolve_method
+from promptfcl.runtime import Runtime, check_config, resolve_method
 
 __all__ = ["Experiment", "check_config", "resolve_method"]
 
@@ -69,19 +68,10 @@ class Experiment:
             )
         else:
             self.grid = self.grid_factory(rt)
-        groups = self.cfg.eval.class_groups
-        self.class_groups = self.scenario.class_groups if groups is not False else None
-        if groups and self.class_groups is None:
-            raise ConfigError("eval.class_groups: the scenario defines no class groups; use scenario.kind: long_tailed")
-        self.evaluation = build_evaluation(
-            self.cfg.eval,
-            self.dataset.test,
-            self.scenario,
-            rt.env.eval_transform,
-            self.device,
-            per_class=self.class_groups is not None,
+        self.regime = build_regime(
+            self.cfg.eval, self.scenario, self.dataset.test, rt.env.eval_transform, self.device, self.grid
         )
-        self.evaluator = getattr(self.evaluation, "evaluator", None)  # the server regimes' test-split evaluator
+        self.evaluator = self.regime.evaluator  # the server-side regimes' test-split evaluator (None: client_local)
         self.setup_seconds = time.perf_counter() - t0
 
     def _write_run_files(self) -> None:
@@ -92,8 +82,12 @@ class Experiment:
         plot_client_class_counts(
             self.scenario.client_class_counts(targets),
             self.run_dir / "scenario_heatmap.png",
-            () if self.scenario.personalized else [len(c) for c in self.scenario.task_classes],
+            []
+            if self.scenario.schedule is not None or self.scenario.personalized
+            else [len(c) for c in self.scenario.task_classes],
         )
+        if self.scenario.schedule is not None:
+            plot_task_timeline(self.scenario.schedule, self.scenario.owners, self.run_dir / "scenario_timeline.png")
         if self.scenario.personalized:
             plot_client_tasks(self.scenario.client_task_matrix(), self.run_dir / "scenario_client_tasks.png")
         (self.run_dir / "environment.json").write_text(json.dumps(environment_info(), indent=2))
@@ -102,12 +96,10 @@ class Experiment:
     def run(self, resume: bool = False) -> dict[str, Any]:
         self.setup(resume)
         progress_state: dict[str, Any] = {
-            "accuracy_matrix": [],
-            "correct": [],
-            "total": [],
             "rounds": [],
             "timing": {"client_seconds": 0.0, "server_seconds": 0.0, "eval_seconds": 0.0, "train_seconds": 0.0},
         }
+        self.regime.init_state(progress_state)
         start_task, start_round = 0, 0
         if resume:
             ckpt = load_checkpoint(self.run_dir)
@@ -138,7 +130,7 @@ class Experiment:
         self.progress.round_started(task, T, rnd, R)
         self.grid.start_round(info)
         last = rnd == R - 1
-        self.grid.stamp = self.evaluation.round_stamp(info, last)
+        self.grid.stamp = self.regime.round_stamp(last)  # e.g. client_local's `measure_local`
         t0 = time.perf_counter()
         round_metrics = self.server.run_round(self.grid, info)
         if last:
@@ -157,23 +149,11 @@ class Experiment:
             "failures": [f.__dict__ for f in self.grid.failures],
             **round_metrics,
         }
-        self.progress.note("evaluating")
-        t1 = time.perf_counter()
-        outcome = self.evaluation.evaluate_round(self.server, self.grid, info, last, self.state)
-        timing["eval_seconds"] += time.perf_counter() - t1
-        if outcome is not None:
-            results, extra = outcome
-            entry.update(extra)
-            if results is not None:
-                entry["accuracy"] = [r.accuracy for r in results]
-                if self.class_groups is not None:
-                    entry["class_groups"] = self._group_accuracy(results)
-            if last and results is not None:
-                self.state["accuracy_matrix"].append([r.accuracy for r in results])
-                self.state["correct"] = [r.correct for r in results]
-                self.state["total"] = [r.total for r in results]
-                if self.class_groups is not None:
-                    self.state["class_groups"] = entry["class_groups"]
+        if last or self.regime.every_round:
+            self.progress.note("evaluating")
+            t1 = time.perf_counter()
+            entry.update(self.regime.evaluate(self.server, task, rnd, last, self.state))
+            timing["eval_seconds"] += time.perf_counter() - t1
         self.state["rounds"].append(clean_json(entry))
         write_rounds(self.run_dir, self.state["rounds"])
         nxt = (task + 1, 0) if last else (task, rnd + 1)
@@ -182,17 +162,7 @@ class Experiment:
         )
         self.progress.round_done()
 
-    def _group_accuracy(self, results: list[Any]) -> dict[str, float]:
-        """Overall / head / mid / tail accuracy over every evaluated task's test images."""
-        correct: dict[int, int] = {}
-        total: dict[int, int] = {}
-        for r in results:
-            correct.update(r.class_correct or {})
-            total.update(r.class_total or {})
-        return class_group_accuracy(correct, total, self.class_groups or {})
-
     def _finish(self) -> dict[str, Any]:
-        A = self.state["accuracy_matrix"]
         rounds = self.state["rounds"]
         timing = dict(self.state["timing"])
         timing["setup_seconds"] = self.setup_seconds
@@ -205,12 +175,7 @@ class Experiment:
             "method": self.spec.name,
             "run": self.cfg.run_name(),
             "seed": self.cfg.seed,
-            "summary": {
-                **summarize(A, self.state["correct"], self.state["total"]),
-                **({"class_groups": self.state["class_groups"]} if "class_groups" in self.state else {}),
-            },
-            "accuracy_matrix": A,
-            "accuracy_curve": accuracy_curve(A),
+            **self.regime.finish(self.state),
             "communication": {
                 "bytes_up": up,
                 "bytes_down": down,
@@ -219,9 +184,6 @@ class Experiment:
             },
             "timing": timing,
         }
-        retention = retention_summary(self.state)
-        if retention is not None:
-            metrics["retention"] = retention
         write_final(self.run_dir, self.cfg.run_name(), metrics)
         return metrics
 

@@ -8,26 +8,22 @@ Every check here runs before any training and turns problems into `ConfigError`s
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ValidationError
 
-from promptfcl import __version__
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
-from promptfcl.scenario.long_tail import build_scenario
 from promptfcl.scenario.partition import PartitionError
 from promptfcl.scenario.personalized import personalized_class_count
-from promptfcl.scenario.scenario import Scenario, task_class_counts
+from promptfcl.scenario.scenario import Scenario, build_scenario, task_class_counts
 from promptfcl.seeding import numpy_rng
 
 _BACKBONES: dict[str, Any] = {}
@@ -65,7 +61,7 @@ def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
 def check_config(cfg: ExperimentConfig) -> None:
     """Cheap checks that need the registries and the file system; run before anything is decoded."""
     problems = []
-    for check in (resolve_method, _check_data, _check_backbone):
+    for check in (resolve_method, _check_data, _check_backbone, _check_eval):
         try:
             check(cfg)
         except ConfigError as e:
@@ -92,10 +88,24 @@ def _check_data(cfg: ExperimentConfig) -> None:
             task_class_counts(cfg.scenario, n)
     except PartitionError as e:
         raise ConfigError(f"scenario: {e}") from None
-    if cfg.eval.regime == "client_local" and cfg.scenario.kind != "personalized":
+
+
+def _check_eval(cfg: ExperimentConfig) -> None:
+    e = cfg.eval
+    if cfg.scenario.kind == "asynchronous" and e.regime == "task_agnostic":
+        raise ConfigError(
+            "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat under "
+            "several logits); use task_aware or auto"
+        )
+    if e.regime == "client_local" and cfg.scenario.kind != "personalized":
         raise ConfigError(
             "eval.regime: client_local tests each client on its local test splits, which only personalized "
-            "scenarios hold; set scenario.kind: personalized or eval.regime: task_agnostic"
+            "scenarios hold; set scenario.kind: personalized or eval.regime: auto"
+        )
+    if e.direct_reference and not (Path(e.direct_reference) / "metrics.json").is_file():
+        raise ConfigError(
+            f"eval.direct_reference: {e.direct_reference} holds no finished run (no metrics.json); run the direct "
+            "reference first (same config with --set method.name=codap_direct) or drop the key"
         )
 
 
@@ -168,19 +178,6 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
     return torch.device(cfg.engine.device)
 
 
-def environment_info() -> dict[str, str]:
-    import timm
-
-    return {
-        "promptfcl": __version__,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "timm": timm.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-    }
-
-
 @dataclass
 class Runtime:
     """A validated config turned into live objects: dataset, scenario, shared backbone, method and its env."""
@@ -225,13 +222,14 @@ class Runtime:
         backbone.enable_query_cache(False)  # every run starts with an empty cache; pool methods opt in
         b = cfg.backbone
         eval_tf = ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
-        # class names in logit order (CLIP methods build class texts from them)
+        # class names in logit order (CLIP methods build class texts from them); per task, since a real class may
+        # own several logits (asynchronous scenarios)
         names = [""] * scenario.label_space.num_logits
-        for c, j in enumerate(scenario.label_space.class_to_logit.tolist()):
-            if j >= 0:
+        for t in scenario.label_space.tasks:
+            for c, j in zip(t.classes, t.logits, strict=True):
                 names[j] = dataset.class_names[c]
         extras = {"class_names": names, "num_clients": scenario.num_clients}
-        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras)
+        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras, schedule=scenario.schedule)
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
             env.extras["server_split"] = dataset.test
         return cls(cfg, spec, params, device, dataset, scenario, env)

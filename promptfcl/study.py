@@ -5,33 +5,42 @@ name: hgp_cifar100_cpu
 base: ../configs/cpu/hgp_cifar100_beta0.05.yaml   # relative to this file
 seeds: [0, 1, 2]
 set: [eval.batch_size=128]                         # overrides for every cell (optional)
+sweep: {scenario.partition.beta: [0.5, 0.05]}      # grid for every cell (optional)
 cells:
   fedavg_prompt: {method: {name: fedavg_prompt, length: 20, local_epochs: 1}}
   hgp:           {set: [method.rebalance=all]}     # keeps the base's method section
+  hgp_lr:        {sweep: {method.lr: [0.001, 0.003]}}
+  hepco:         {base: ../configs/cpu/hepco_cifar100.yaml}   # another scenario family
 ```
 
-A cell's `method` mapping replaces the base's method section (methods have different keys); its `set` list
-is applied after it. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
+A cell may name its own `base` (relative to the study file). Its `method` mapping replaces the base's method
+section (methods have different keys); its `set` list is applied after it. `sweep` (study-wide and per cell,
+the cell's list wins for a key both name) expands a cell into the cartesian grid of its values, each point a
+cell of its own named `<cell>-<key>=<value>…` (key: the last part of the dotted path) with the point's
+overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
 finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint, and up to
 `jobs` run at once with the CPU threads split between them. The table (mean ± std over seeds) goes to
-`OUT/summary.{md,csv,json}`.
+`OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report OUT` reads).
+`direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
+total transfer) of asynchronous (Powder/C2Prompt) runs; they are computed at summary time, per seed.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from promptfcl.checkpoint import atomic_write_text
 from promptfcl.config import (
@@ -44,26 +53,103 @@ from promptfcl.config import (
     read_yaml,
 )
 
+Sweep = dict[str, list[Any]]
+
+
+def _check_sweep(sweep: Sweep) -> Sweep:
+    for key, values in sweep.items():
+        if not key or any(not part for part in key.split(".")):
+            raise ValueError(f"sweep key {key!r} must be a dotted config path such as method.lr")
+        if not values:
+            raise ValueError(f"sweep {key!r} lists no values; give at least one")
+        if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
+            raise ValueError(f"sweep {key!r} lists a value twice")
+    return sweep
+
 
 class CellConfig(StrictModel):
     """One row of the comparison: a method section and/or overrides on top of the base config."""
 
+    base: str | None = Field(None, description="this cell's base config (relative to the study file)")
     method: dict[str, Any] | None = None
     set: list[str] = Field(default_factory=list)
+    sweep: Sweep = Field(default_factory=dict, description="key path -> values; the cell becomes their grid")
+
+    @field_validator("sweep")
+    @classmethod
+    def _valid_sweep(cls, v: Sweep) -> Sweep:
+        return _check_sweep(v)
 
 
 class StudyConfig(StrictModel):
-    """Base config, seeds, shared overrides and the cells of a study."""
+    """Base config, seeds, shared overrides, shared sweeps and the cells of a study."""
 
     name: str
     base: str
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     set: list[str] = Field(default_factory=list)
-    cells: dict[str, CellConfig] = Field(min_length=1)
-    columns: list[Literal["per_task", "retention"]] = Field(
-        default_factory=list,
-        description="extra table columns: per_task = final accuracy on each task; retention = final KR_t / KR_s",
+    sweep: Sweep = Field(default_factory=dict, description="key path -> values; every cell becomes their grid")
+    missing_weights: Literal["error", "random_init"] = Field(
+        "error",
+        description="a cell whose backbone.weights file is absent: fail (default), or run on a random-init "
+        "backbone (the run is named <study>_<cell>_RANDOM_INIT and reports flag it)",
     )
+    cells: dict[str, CellConfig] = Field(min_length=1)
+    direct_cell: str | None = Field(
+        None,
+        description="cell whose runs are the direct single-task reference: every other task-aware cell's FWT and "
+        "total transfer are computed against its run of the same seed (asynchronous scenarios)",
+    )
+
+    @model_validator(mode="after")
+    def _direct_cell_exists(self) -> StudyConfig:
+        if self.direct_cell is not None and self.direct_cell not in self.cells:
+            raise ValueError(f"direct_cell {self.direct_cell!r} is not one of the cells {sorted(self.cells)}")
+        return self
+
+    @field_validator("sweep")
+    @classmethod
+    def _valid_sweep(cls, v: Sweep) -> Sweep:
+        return _check_sweep(v)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A cell after sweep expansion: its name, the study cell it comes from and its sweep point."""
+
+    name: str
+    source: str
+    point: dict[str, Any] = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        return [f"{k}={json.dumps(v)}" for k, v in self.point.items()]
+
+
+def _label(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def expand_cells(study: StudyConfig) -> list[Cell]:
+    """Every cell of the study, each swept cell replaced by the cartesian grid of its sweep values."""
+    out: list[Cell] = []
+    for name, spec in study.cells.items():
+        sweep = {**study.sweep, **spec.sweep}
+        if not sweep:
+            out.append(Cell(name, name))
+            continue
+        keys = list(sweep)
+        short = [k.rsplit(".", 1)[-1] for k in keys]
+        names = [s if short.count(s) == 1 else k for s, k in zip(short, keys, strict=True)]
+        for values in itertools.product(*(sweep[k] for k in keys)):
+            label = "-".join(f"{n}={_label(v)}" for n, v in zip(names, values, strict=True))
+            out.append(Cell(f"{name}-{label}", name, dict(zip(keys, values, strict=True))))
+    seen: set[str] = set()
+    for cell in out:
+        if cell.name in seen:
+            raise ConfigError(f"study {study.name}: two cells are both named {cell.name!r}; rename one")
+        seen.add(cell.name)
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,24 +180,33 @@ def load_study(path: str | os.PathLike[str]) -> tuple[StudyConfig, Path]:
     return study, Path(path).resolve().parent
 
 
-def cell_config(study: StudyConfig, study_dir: Path, cell: str, seed: int) -> ExperimentConfig:
-    """The validated experiment config of one (cell, seed): base, then the cell's method and overrides."""
-    spec = study.cells[cell]
-    raw = read_yaml(study_dir / study.base)
-    if spec.method is not None:
-        raw["method"] = dict(spec.method)
-    raw = apply_overrides(raw, [*study.set, *spec.set, f"seed={seed}", f"name={study.name}_{cell}"])
+def cell_config(study: StudyConfig, study_dir: Path, cell: str | Cell, seed: int) -> ExperimentConfig:
+    """The validated experiment config of one (cell, seed): base, the cell's method and overrides, sweep point."""
+    if isinstance(cell, str):
+        cell = Cell(cell, cell)
+    spec = study.cells[cell.source]
     try:
-        return build_config(raw)
+        raw = read_yaml(study_dir / (spec.base or study.base))
+        if spec.method is not None:
+            raw["method"] = dict(spec.method)
+        overrides = [*study.set, *spec.set, *cell.overrides(), f"seed={seed}", f"name={study.name}_{cell.name}"]
+        cfg = build_config(apply_overrides(raw, overrides))
     except ConfigError as e:
-        raise ConfigError(f"study cell {cell!r} (seed {seed}): {e}") from None
+        raise ConfigError(f"study cell {cell.name!r} (seed {seed}): {e}") from None
+    weights = cfg.backbone.weights
+    if study.missing_weights == "random_init" and weights and not Path(weights).is_file():
+        cfg.backbone.weights = None
+        cfg.name = f"{cfg.name}_RANDOM_INIT"
+    return cfg
 
 
 def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
-    """Resolve and validate every (cell, seed) config up front; write them under `out/configs/`."""
+    """Resolve and validate every (cell, seed) config up front; write them under `out/configs/` and the plan
+    (cells, sweep points, seeds) to `out/study.json`."""
     from promptfcl.runtime import check_config
 
-    configs = {(c, s): cell_config(study, study_dir, c, s) for c in study.cells for s in study.seeds}
+    cells = expand_cells(study)
+    configs = {(c.name, s): cell_config(study, study_dir, c, s) for c in cells for s in study.seeds}
     for (cell, seed), cfg in configs.items():  # registries, data files, method parameters: before anything runs
         try:
             check_config(cfg)
@@ -123,6 +218,13 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_config(cfg))
         runs.append(StudyRun(cell, seed, path, out / cell / f"seed{seed}"))
+    plan_json = {
+        "study": study.name,
+        "seeds": study.seeds,
+        "cells": [{"name": c.name, "source": c.source, "sweep": c.point} for c in cells],
+        "direct_cell": study.direct_cell,
+    }
+    atomic_write_text(out / "study.json", json.dumps(plan_json, indent=2))
     return runs
 
 
@@ -151,85 +253,34 @@ def execute(runs: list[StudyRun], jobs: int = 1, on_done: Any = None) -> list[tu
         return list(pool.map(one, todo))
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def summarize_study(study: StudyConfig, out: Path) -> str:
+    """Mean ± std over seeds per cell → summary.md / .csv / .json; returns the Markdown table."""
+    from promptfcl.report.collect import aggregate, groups_from_study
 
-
-def _fmt(value: tuple[float, float] | None, seeds: int, digits: int) -> str:
-    if value is None:
-        return "not run"
-    return f"{value[0]:.{digits}f} ± {value[1]:.{digits}f}" if seeds > 1 else f"{value[0]:.{digits}f}"
-
-
-COLUMNS = [
-    ("FAA (%)", lambda m: m["summary"]["faa"]),
-    ("forgetting (%)", lambda m: m["summary"]["average_forgetting"]),
-    ("BWT (%)", lambda m: m["summary"]["bwt"]),
-    ("MB / round", lambda m: m["communication"]["mb_per_round"]),
-    ("wall time (s)", lambda m: m["timing"]["total_seconds"]),
-]
-
-
-GROUP_COLUMNS = [
-    (f"{g} (%)", lambda m, g=g: m["summary"]["class_groups"][g]) for g in ("overall", "head", "mid", "tail")
-]
-
-
-def _task_column(i: int) -> tuple[str, Any]:
-    return f"task {i + 1} (%)", lambda m: m["accuracy_matrix"][-1][i] if len(m["accuracy_matrix"][-1]) > i else None
-
-
-def study_columns(study: StudyConfig, metrics: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-    """The table's columns: class groups first for long-tailed runs; per-task final accuracies and KR_t / KR_s
-    before the standard ones when the study asks for them."""
-    base = COLUMNS
-    if metrics and all("class_groups" in m["summary"] for m in metrics):
-        base = GROUP_COLUMNS + [c for c in COLUMNS if c[0] not in ("forgetting (%)", "BWT (%)")]
-    extra: list[tuple[str, Any]] = []
-    if "per_task" in study.columns:
-        tasks = max((len(m["accuracy_matrix"][-1]) for m in metrics if m["accuracy_matrix"]), default=0)
-        extra += [_task_column(i) for i in range(tasks)]
-    if "retention" in study.columns:
-        extra += [
-            ("KR_t (%)", lambda m: (m.get("retention") or {}).get("kr_t")),
-            ("KR_s (%)", lambda m: (m.get("retention") or {}).get("kr_s")),
-        ]
-    return extra + base
-
-
-def summarize_study(study: StudyConfig, runs: list[StudyRun], out: Path) -> str:
-    """Mean ± std over seeds per cell → summary.md / .csv / .json; returns the Markdown table.
-
-    Long-tailed studies (runs that report class groups) get overall / head / mid / tail columns first."""
-    rows: list[dict[str, Any]] = []
-    done_metrics = {r: json.loads((r.run_dir / "metrics.json").read_text()) for r in runs if r.finished}
-    columns = study_columns(study, list(done_metrics.values()))
-    for cell in study.cells:
-        done = [r for r in runs if r.cell == cell and r.finished]
-        metrics = [done_metrics[r] for r in done]
-        row: dict[str, Any] = {"cell": cell, "method": metrics[0]["method"] if metrics else "", "seeds": len(done)}
-        for col, get in columns:
-            values = [float(v) for v in (get(m) for m in metrics) if v is not None]
-            row[col] = _mean_std(values) if values else None
-        rows.append(row)
-    header = "| cell | method | seeds | " + " | ".join(c for c, _ in columns) + " |"
-    lines = [header, "|" + " --- |" * (3 + len(columns))]
-    for row in rows:
-        cells = [
-            "not run"
-            if row[c] is None
-            else (f"{row[c][0]:.2f} ± {row[c][1]:.2f}" if row["seeds"] > 1 else f"{row[c][0]:.2f}")
-            for c, _ in columns
-        ]
-        lines.append(f"| {row['cell']} | {row['method']} | {row['seeds']} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    rows, columns = aggregate(groups_from_study(out))
+    table = markdown_table(rows, columns)
     atomic_write_text(out / "summary.md", f"# {study.name}\n\n{table}\n")
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["cell", "method", "seeds"] + [f"{c} {s}" for c, _ in columns for s in ("mean", "std")])
+    sweep_keys = sorted({k for r in rows for k in r["sweep"]})
+    w.writerow(["cell", "method", "seeds", *sweep_keys] + [f"{c} {s}" for c in columns for s in ("mean", "std")])
     for row in rows:
-        vals = [x for c, _ in columns for x in (row[c] or ("", ""))]
-        w.writerow([row["cell"], row["method"], row["seeds"], *vals])
+        vals = [x for c in columns for x in (row["values"].get(c) or ("", ""))]
+        w.writerow([row["cell"], row["method"], row["seeds"], *(row["sweep"].get(k, "") for k in sweep_keys), *vals])
     atomic_write_text(out / "summary.csv", buf.getvalue())
-    atomic_write_text(out / "summary.json", json.dumps({"study": study.name, "rows": rows}, indent=2))
+    atomic_write_text(
+        out / "summary.json", json.dumps({"study": study.name, "columns": columns, "rows": rows}, indent=2)
+    )
     return table
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """The comparison table: one row per cell, mean ± std over its seeds (just the mean for one seed)."""
+    from promptfcl.report.collect import format_value
+
+    header = "| cell | method | seeds | " + " | ".join(columns) + " |"
+    lines = [header, "|" + " --- |" * (3 + len(columns))]
+    for row in rows:
+        vals = [format_value(row["values"].get(c), row["seeds"]) for c in columns]
+        lines.append(f"| {row['cell']} | {row['method']} | {row['seeds']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)

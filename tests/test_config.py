@@ -109,16 +109,19 @@ def test_every_shipped_config_and_study_validates(monkeypatch) -> None:
 
     from promptfcl.config import load_config
     from promptfcl.runtime import resolve_method
-    from promptfcl.study import cell_config, load_study
+    from promptfcl.study import cell_config, expand_cells, load_study
 
     monkeypatch.setenv("PROMPTFCL_ASSETS", "/assets")
     monkeypatch.setenv("PROMPTFCL_DATA", "/data")
     root = Path(__file__).resolve().parents[1]
-    configs = sorted((root / "configs").rglob("*.yaml"))
+    papers = root / "configs" / "papers"  # study files, one per paper table
+    configs = sorted(p for p in (root / "configs").rglob("*.yaml") if papers not in p.parents)
     assert len(configs) >= 18
     for path in configs:
         resolve_method(load_config(path))
-    for path in sorted((root / "benchmarks").glob("*.yaml")):
+    studies = sorted((root / "benchmarks").glob("*.yaml")) + sorted(papers.rglob("*.yaml"))
+    assert len(studies) >= 12
+    for path in studies:
         study, study_dir = load_study(path)
-        for cell in study.cells:
-            resolve_method(cell_config(study, study_dir, cell, 0))
+        for cell in expand_cells(study):
+            resolve_method(cell_config(study, study_dir, cell, study.seeds[0]))

@@ -81,7 +81,7 @@ def test_fedmgp_end_to_end_uploads_only_the_global_pool_and_broadcasts_one_fused
                          for m in evals)  # fmt: skip
     states = grid.states  # personal parts stay on the clients
     assert all(any(k.startswith("local_pool.") for k in s.tensors) for s in states.values())
-    assert len(metrics["accuracy_matrix"]) == 2 and metrics["retention"]["kr_t"] is not None
+    assert len(metrics["accuracy_matrix"]) == 2 and metrics["summary"]["kr_t"] is not None
     rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
     assert all("kr_s" in r and "fusion_loss_first" in r and 0 <= r["diag/local_key_hit"] <= 100 for r in rounds)
     assert (tmp_path / "run" / "scenario_client_tasks.png").is_file()
@@ -163,7 +163,8 @@ def test_baselines_run_on_personalized_scenarios_with_client_local_evaluation(tm
     raw = personal_raw({"name": method, "local_epochs": 1, "batch_size": 8, **extra}, mode="synchronous", rounds=1)
     metrics = Experiment(build_config(raw), tmp_path / method, show_progress=False).run()
     assert len(metrics["accuracy_matrix"]) == 2 and len(metrics["retention"]["rounds"]) == 2
-    assert 0 <= metrics["summary"]["faa"] <= 100
+    assert 0 <= metrics["summary"]["faa"] <= 100 and metrics["regime"] == "client_local"
+    assert list(metrics["summary"]["task_accuracy"]) == ["1", "2"] and "kr_s" in metrics["summary"]
 
 
 def test_fedmgp_resume_equals_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,4 +209,5 @@ def test_client_local_regime_runs_through_flower_like_in_process(tmp_path: Path)
     ours = json.loads((tmp_path / "sim" / "metrics.json").read_text())
     ref = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
     assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["retention"] == ref["retention"]
+    assert ours["summary"] == ref["summary"]
     assert ours["communication"] == ref["communication"]

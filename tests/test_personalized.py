@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from promptfcl.config import ScenarioConfig
-from promptfcl.evaluation.client_local import ClientLocalEvaluation, retention_summary
+from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.metrics import spatial_retention, temporal_retention
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import Grid, RoundInfo
@@ -128,18 +128,23 @@ def test_client_local_regime_computes_kr_per_round_from_the_definitions() -> Non
             {0: {"0": [4, 10], "1": [2, 4]}, 1: {"0": [1, 2], "1": [2, 2]}},
         ),
     }
-    grid, ev, progress = ScriptedGrid(script), ClientLocalEvaluation(sc, 8, every_round=True), {}
+    grid = ScriptedGrid(script)
+    ev, state = ClientLocalRegime(sc, grid, 8, every_round=True), {}
+    ev.init_state(state)
+    assert ev.round_stamp(last=False) == {"measure_local": True}
     grid.start_round(RoundInfo(0, 0, (0, 1)))
-    results, m = ev.evaluate_round(NoServer(), grid, RoundInfo(0, 0, (0, 1)), True, progress)
+    m = ev.evaluate(NoServer(), 0, 0, True, state)
     assert m["kr_t"] == pytest.approx(100.0) and m["kr_s"] == pytest.approx(100 * (0.6 / 0.8 + 0.5 / 0.5) / 2)
-    assert results[0].accuracy == pytest.approx((60 + 50) / 2)  # mean over clients, not pooled counts
+    assert m["accuracy"][0] == pytest.approx((60 + 50) / 2)  # mean over clients, not pooled counts
     grid.start_round(RoundInfo(1, 0, (0, 1)))
-    results, m = ev.evaluate_round(NoServer(), grid, RoundInfo(1, 0, (0, 1)), True, progress)
+    m = ev.evaluate(NoServer(), 1, 0, True, state)
     assert m["kr_t"] == pytest.approx(100 * (0.4 / 0.8 + 0.5 / 0.5) / 2)  # 75
     assert m["kr_s"] == pytest.approx(100 * (0.25 / 0.5 + 0.5 / 1.0) / 2)  # 50
-    assert [r.accuracy for r in results] == pytest.approx([(50 + 100) / 2, (25 + 50) / 2])
-    summary = retention_summary(progress)
-    assert summary["kr_t"] == pytest.approx(75.0) and len(summary["rounds"]) == 2
+    assert m["accuracy"] == pytest.approx([(50 + 100) / 2, (25 + 50) / 2])
+    out = ev.finish(state)
+    assert out["summary"]["kr_t"] == pytest.approx(75.0) and out["summary"]["kr_s"] == pytest.approx(50.0)
+    assert out["summary"]["task_accuracy"] == pytest.approx({"1": 75.0, "2": 37.5})
+    assert out["summary"]["faa"] == pytest.approx((75.0 + 37.5) / 2) and len(out["retention"]["rounds"]) == 2
 
 
 def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios(monkeypatch) -> None:
@@ -155,7 +160,6 @@ def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios
     configs += [load_config(p) for p in sorted(root.glob("configs/fedmgp/*.yaml"))]
     for name in ("fedmgp_cifar100_cpu.yaml", "fedmgp_cifar100_gpu.yaml"):
         study, study_dir = load_study(root / "benchmarks" / name)
-        assert study.columns == ["per_task", "retention"]
         configs += [cell_config(study, study_dir, cell, 0) for cell in study.cells]
     assert len(configs) == 2 + 3 + 12 + 12
     for cfg in configs:
@@ -163,28 +167,46 @@ def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios
         assert personalized_class_count(cfg.scenario, 100) == 100
 
 
-def test_study_table_shows_per_task_accuracy_and_retention_when_asked(tmp_path) -> None:
+def test_study_table_shows_per_task_accuracy_and_retention_from_the_summary_keys(tmp_path) -> None:
+    """The FedMGP table's columns come from the generic summary-key columns (no study option needed)."""
     import json
 
-    from promptfcl.study import StudyConfig, StudyRun, summarize_study
+    from promptfcl.report.collect import aggregate, groups_from_runs
+    from promptfcl.study import markdown_table
 
-    study = StudyConfig.model_validate(
-        {"name": "s", "base": "b.yaml", "cells": {"a": {}, "b": {}}, "columns": ["per_task", "retention"]}
-    )
-    runs = []
+    dirs = []
     for cell, kr in (("a", 90.0), ("b", None)):
         run_dir = tmp_path / cell / "seed0"
         run_dir.mkdir(parents=True)
+        summary = {"faa": 70.0, "average_forgetting": 10.0, "bwt": -10.0, "task_accuracy": {"1": 60.0, "2": 80.0}}
+        if kr is not None:
+            summary.update(kr_t=kr, kr_s=95.0)
         metrics = {
-            "method": "fedmgp", "accuracy_matrix": [[70.0], [60.0, 80.0]],
-            "summary": {"faa": 70.0, "average_forgetting": 10.0, "bwt": -10.0},
+            "method": "fedmgp", "run": cell, "accuracy_matrix": [[70.0], [60.0, 80.0]], "summary": summary,
             "communication": {"mb_per_round": 0.1}, "timing": {"total_seconds": 5.0},
         }  # fmt: skip
-        if kr is not None:
-            metrics["retention"] = {"kr_t": kr, "kr_s": 95.0}
         (run_dir / "metrics.json").write_text(json.dumps(metrics))
-        runs.append(StudyRun(cell, 0, tmp_path / "cfg.yaml", run_dir))
-    table = summarize_study(study, runs, tmp_path)
-    assert table.splitlines()[0].startswith("| cell | method | seeds | task 1 (%) | task 2 (%) | KR_t (%) | KR_s (%) |")
-    assert "| a | fedmgp | 1 | 60.00 | 80.00 | 90.00 | 95.00 | 70.00 |" in table
-    assert "| b | fedmgp | 1 | 60.00 | 80.00 | not run | not run | 70.00 |" in table
+        dirs.append(run_dir)
+    rows, columns = aggregate(groups_from_runs(dirs))
+    assert {"task_accuracy.1", "task_accuracy.2", "kr_t", "kr_s"} <= set(columns)
+    table = markdown_table(rows, columns)
+    assert "90.00" in table and "95.00" in table and "80.00" in table
+
+
+def test_build_regime_picks_client_local_for_personalized_scenarios_and_refuses_it_elsewhere() -> None:
+    import torch
+
+    from promptfcl.config import ConfigError, EvalConfig
+    from promptfcl.evaluation.regimes import build_regime
+
+    y = targets(12, 10)
+    personal = build_personalized(async_cfg(), y, y, 12, 0)
+    cpu = torch.device("cpu")
+    for regime in ("auto", "client_local"):
+        built = build_regime(EvalConfig(regime=regime), personal, None, None, cpu, grid=ScriptedGrid({}))
+        assert isinstance(built, ClientLocalRegime) and built.every_round  # KR_t / KR_s every round by default
+    quiet = build_regime(EvalConfig(retention_every_round=False), personal, None, None, cpu, ScriptedGrid({}))
+    assert not quiet.every_round and quiet.round_stamp(last=False) == {} and quiet.round_stamp(last=True)
+    plain = Scenario(0, 4, [0, 1, 2, 3], [[0, 1], [2, 3]], [], [np.arange(2), np.arange(2)], [[[0]], [[0]]], 1)
+    with pytest.raises(ConfigError, match="personalized"):
+        build_regime(EvalConfig(regime="client_local"), plain, None, None, cpu, grid=ScriptedGrid({}))

@@ -14,11 +14,11 @@ from promptfcl.study import execute, load_study, plan
 from .conftest import tiny_raw
 
 
-def write_study(tmp_path, cells: dict) -> str:
+def write_study(tmp_path, cells: dict, **extra) -> str:
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_tasks": 2, "rounds_per_task": 1})))
-    study = {"name": "mini", "base": "base.yaml", "seeds": [0, 1], "cells": cells}
+    study = {"name": "mini", "base": "base.yaml", "seeds": [0, 1], "cells": cells, **extra}
     path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(study))
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
     return str(path)
 
 
@@ -43,6 +43,7 @@ def test_study_runs_every_cell_and_seed_once(tmp_path) -> None:
     runs = plan(study, study_dir, out)
     assert all(r.finished for r in runs)
     assert execute(runs) == []  # nothing is redone
+    assert (out / "report.md").is_file() and "data:image/png;base64," in (out / "report.html").read_text()
 
 
 def test_study_refuses_a_bad_cell_before_running_anything(tmp_path) -> None:
@@ -51,3 +52,70 @@ def test_study_refuses_a_bad_cell_before_running_anything(tmp_path) -> None:
     with pytest.raises(ConfigError, match="rebalanse"):
         plan(study, study_dir, tmp_path / "out")
     assert not (tmp_path / "out" / "ok").exists()
+
+
+def test_sweeps_expand_into_the_cartesian_grid_of_each_cell(tmp_path) -> None:
+    from promptfcl.study import expand_cells
+
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_clients": 2})))
+    path = write_study(
+        tmp_path,
+        {
+            "plain": {},
+            "lr": {"sweep": {"method.lr": [0.01, 0.001], "scenario.partition.beta": [0.5]}},
+            "other": {"base": "other.yaml", "sweep": {"method.batch_size": [4]}},
+        },
+        sweep={"scenario.partition.beta": [0.5, 0.1]},  # study-wide; a cell's own list wins for its key
+    )
+    study, study_dir = load_study(path)
+    names = [c.name for c in expand_cells(study)]
+    assert names == [
+        "plain-beta=0.5",
+        "plain-beta=0.1",
+        "lr-beta=0.5-lr=0.01",
+        "lr-beta=0.5-lr=0.001",
+        "other-beta=0.5-batch_size=4",
+        "other-beta=0.1-batch_size=4",
+    ]
+    out = tmp_path / "out"
+    runs = plan(study, study_dir, out)
+    assert len(runs) == 6 * 2  # cells x seeds
+    cfg = yaml.safe_load((out / "configs" / "lr-beta=0.5-lr=0.001_seed1.yaml").read_text())
+    assert cfg["method"]["lr"] == 0.001 and cfg["scenario"]["partition"]["beta"] == 0.5 and cfg["seed"] == 1
+    other = yaml.safe_load((out / "configs" / "other-beta=0.1-batch_size=4_seed0.yaml").read_text())
+    assert other["scenario"]["num_clients"] == 2 and other["scenario"]["partition"]["beta"] == 0.1  # own base
+    assert other["method"]["batch_size"] == 4
+    saved = json.loads((out / "study.json").read_text())
+    assert saved["cells"][3] == {"name": "lr-beta=0.5-lr=0.001", "source": "lr", "sweep": {"method.lr": 0.001,
+                                 "scenario.partition.beta": 0.5}}  # fmt: skip
+
+
+def test_sweep_names_use_the_full_path_when_last_parts_clash_and_bad_sweeps_are_refused(tmp_path) -> None:
+    from promptfcl.study import expand_cells
+
+    path = write_study(tmp_path, {"a": {"sweep": {"method.lr": [0.1], "data.lr": [1]}}})
+    study, _ = load_study(path)
+    assert [c.name for c in expand_cells(study)] == ["a-method.lr=0.1-data.lr=1"]
+    for bad, msg in [
+        ({"method.lr": []}, "lists no values"),
+        ({"method.lr": [1, 1]}, "twice"),
+        ({"a..b": [1]}, "dotted"),
+    ]:
+        path = write_study(tmp_path, {"a": {"sweep": bad}})
+        with pytest.raises(ConfigError, match=msg):
+            load_study(path)
+
+
+def test_missing_backbone_weights_fall_back_to_a_labelled_random_init_only_when_asked(tmp_path) -> None:
+    from promptfcl.study import cell_config
+
+    cells = {"a": {"set": [f"backbone.weights={tmp_path / 'absent.safetensors'}"]}}
+    path = write_study(tmp_path, cells)
+    study, study_dir = load_study(path)
+    with pytest.raises(ConfigError, match="backbone.weights"):
+        plan(study, study_dir, tmp_path / "out")  # default: a missing weights file is an error
+    path = write_study(tmp_path, cells, missing_weights="random_init")
+    study, study_dir = load_study(path)
+    cfg = cell_config(study, study_dir, "a", 0)
+    assert cfg.backbone.weights is None and cfg.name == "mini_a_RANDOM_INIT"
+    assert plan(study, study_dir, tmp_path / "out2")[0].config_path.read_text().count("RANDOM_INIT") == 1

@@ -37,6 +37,16 @@ class PromptSpec:
             prefix[layer] = (p[..., :half, :], p[..., half:, :])
         return PromptSpec(prefix=prefix)
 
+    def select(self, rows: torch.Tensor, batch_size: int) -> PromptSpec:
+        """The spec of a sub-batch: per-sample tensors (leading dim `batch_size`) indexed by `rows`; shared
+        (leading dim 1) tensors kept as they are."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t[rows] if t is not None and t.shape[0] == batch_size and t.dim() == 3 else t
+
+        prefix = {layer: (pick(k), pick(v)) for layer, (k, v) in self.prefix.items()}
+        return PromptSpec(prefix, pick(self.tokens), self.token_position, pick(self.token_pos_embed))  # type: ignore[arg-type]
+
     def is_empty(self) -> bool:
         return not self.prefix and self.tokens is None
 

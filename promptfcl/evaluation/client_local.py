@@ -16,7 +16,8 @@ Knowledge retention, per round r (the paper's Eq. 1 and 2):
   (its last round; the paper's "initial round"), so KR_t is defined from the last round of task 0 on.
 - KR_s^r = mean_i Acc(θ_g^r; T_i^r) / Acc(θ_i^r; T_i^r) over clients that trained in round r.
 Measured after every round (`eval.retention_every_round`, default) or only after each task's last round; the
-regime stamps `measure_local` on the messages of the rounds it evaluates, so clients test θ_i^r only then.
+regime stamps `measure_local` on the messages of the rounds it evaluates (`round_stamp`, set on the grid before
+`server.run_round`), so clients test θ_i^r only then. `build_regime` (`evaluation.regimes`) dispatches here.
 Evaluation traffic is not counted as communication (the round's bytes are logged before it runs).
 """
 
@@ -31,9 +32,9 @@ import torch
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.evaluator import TaskResult
-from promptfcl.evaluation.metrics import spatial_retention, temporal_retention
+from promptfcl.evaluation.metrics import accuracy_curve, spatial_retention, summarize, temporal_retention
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, ServerProgram
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.scenario import Scenario
 
@@ -117,35 +118,40 @@ def _mean(values: list[float]) -> float:
     return sum(ok) / len(ok) if ok else float("nan")
 
 
-class ClientLocalEvaluation:
-    """Server side of the regime: asks every client, aggregates per task, tracks KR_t / KR_s per round."""
+class ClientLocalRegime:
+    """Server side of the regime: asks every client through the grid, aggregates per task, tracks KR_t / KR_s per
+    round. The summary gains `kr_t` / `kr_s` (last evaluated round) and `task_accuracy` (final per-task local
+    accuracy), so study tables show them as columns; `retention` keeps the per-round curves."""
 
-    def __init__(self, scenario: Scenario, batch_size: int, every_round: bool) -> None:
+    name = "client_local"
+    evaluator = None  # no server-side test-split evaluator
+
+    def __init__(self, scenario: Scenario, grid: Grid, batch_size: int, every_round: bool) -> None:
         self.scenario = scenario
+        self.grid = grid
         self.batch_size = batch_size
         self.every_round = every_round
 
-    def round_stamp(self, info: RoundInfo, last: bool) -> dict[str, Any]:
+    def round_stamp(self, last: bool) -> dict[str, Any]:
         """Scalars for this round's messages: trained clients measure their local model when we evaluate."""
         return {MEASURE: True} if last or self.every_round else {}
 
-    def evaluate_round(
-        self, server: ServerProgram, grid: Grid, info: RoundInfo, last: bool, progress: dict[str, Any]
-    ) -> tuple[list[TaskResult] | None, dict[str, Any]] | None:
-        if not (last or self.every_round):
-            return None
-        t = info.task
+    def init_state(self, state: dict[str, Any]) -> None:
+        state.update(accuracy_matrix=[], correct=[], total=[], retention={"reference": {}, "rounds": []})
+
+    def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
+        t = task
         tasks = list(range(t + 1)) if last else sorted({0, t})
         msg = server.evaluate_message()
         msg.scalars.update({"tasks": tasks, "batch_size": self.batch_size})
-        replies = grid.broadcast(range(self.scenario.num_clients), msg)
+        replies = self.grid.broadcast(range(self.scenario.num_clients), msg)
         held = {c: r.scalars["global"] for c, r in replies.items()}
         local = {
             c: r.scalars["local"]["counts"]
             for c, r in replies.items()
-            if r.scalars.get("local") and (r.scalars["local"]["task"], r.scalars["local"]["round"]) == (t, info.round)
+            if r.scalars.get("local") and (r.scalars["local"]["task"], r.scalars["local"]["round"]) == (t, rnd)
         }
-        ret = progress.setdefault("retention", {"reference": {}, "rounds": []})
+        ret = state["retention"]
         if t == 0 and last:  # θ_i^0: the local model when task 0 is learned
             ret["reference"] = {str(c): _acc(v["0"]) for c, v in local.items() if v["0"][1]}
         ref = ret["reference"]
@@ -153,30 +159,41 @@ class ClientLocalEvaluation:
         kr_t = temporal_retention([a for a, _ in now_first], [b for _, b in now_first]) if now_first else float("nan")
         pairs = [(_acc(held[c][str(t)]), _acc(v[str(t)])) for c, v in local.items() if c in held]
         kr_s = spatial_retention([a for a, _ in pairs], [b for _, b in pairs]) if pairs else float("nan")
-        row = {"task": t, "round": info.round, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)}
-        ret["rounds"].append(row)
-        metrics: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
+        ret["rounds"].append({"task": t, "round": rnd, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)})
+        entry: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
         names = sorted({k for r in replies.values() for k in r.scalars.get("diagnostics", {})})
         for name in names:
             vals = [
                 r.scalars["diagnostics"][name] for r in replies.values() if name in r.scalars.get("diagnostics", {})
             ]
-            metrics[f"diag/{name}"] = _finite(_mean([float(v) for v in vals]))
+            entry[f"diag/{name}"] = _finite(_mean([float(v) for v in vals]))
         if not last:
-            return None, metrics
+            return entry
         results: list[TaskResult] = []
         for j in tasks:
             per_client = [held[c][str(j)] for c in sorted(held)]
             correct, total = sum(x[0] for x in per_client), sum(x[1] for x in per_client)
             results.append(ClientMeanResult(j, correct, total, client_accuracy=_mean([_acc(x) for x in per_client])))
-        metrics["client_accuracy"] = {str(c): {j: _finite(_acc(v)) for j, v in held[c].items()} for c in sorted(held)}
-        return results, metrics
+        entry["accuracy"] = [r.accuracy for r in results]
+        entry["client_accuracy"] = {str(c): {j: _finite(_acc(v)) for j, v in held[c].items()} for c in sorted(held)}
+        state["accuracy_matrix"].append([r.accuracy for r in results])
+        state["correct"] = [r.correct for r in results]
+        state["total"] = [r.total for r in results]
+        return entry
 
-
-def retention_summary(progress: dict[str, Any]) -> dict[str, Any] | None:
-    """KR_t / KR_s of the last evaluated round and their per-round curves (None outside this regime)."""
-    ret = progress.get("retention")
-    if not ret or not ret["rounds"]:
-        return None
-    last = ret["rounds"][-1]
-    return {"kr_t": last["kr_t"], "kr_s": last["kr_s"], "rounds": ret["rounds"], "reference": ret["reference"]}
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        A, ret = state["accuracy_matrix"], state["retention"]
+        last = ret["rounds"][-1] if ret["rounds"] else {}
+        summary = {
+            **summarize(A, state["correct"], state["total"]),
+            "task_accuracy": {str(j + 1): a for j, a in enumerate(A[-1] if A else [])},
+            "kr_t": last.get("kr_t"),
+            "kr_s": last.get("kr_s"),
+        }
+        return {
+            "regime": self.name,
+            "summary": summary,
+            "accuracy_matrix": A,
+            "accuracy_curve": accuracy_curve(A),
+            "retention": {"rounds": ret["rounds"], "reference": ret["reference"]},
+        }

@@ -1,60 +1,257 @@
-"""The one dispatch from `eval.regime` to how a run is evaluated after a round.
+"""Evaluation regimes, dispatched in one place (`build_regime`) from `eval.regime` and the scenario kind.
 
-- `task_agnostic` / `task_aware`: the server tests `server.global_model()` on the test split of every seen task
-  (`Evaluator`), after each task (and every round with `eval.every_round`).
-- `client_local`: every client tests its own model on its local test splits through `evaluate` messages, with
-  KR_t / KR_s per round (`ClientLocalEvaluation`; personalized scenarios).
+- `ClassIncrementalRegime` (`task_agnostic` / `task_aware` over global tasks): the global model on every seen task
+  after each task → the accuracy matrix, FAA, forgetting, BWT (`evaluation.metrics`).
+- `SlotRegime` (`task_aware` on an asynchronous scenario, Powder/C2Prompt): at every stage end (and every round
+  with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
+  classes with logits masked to its own slots, using the model the server holds for that client
+  (`ServerProgram.client_model`; `eval.model: global` forces the global model) → the transfer metrics of
+  `evaluation.transfer`, FWT against `eval.direct_reference`.
+- `ClientLocalRegime` (`client_local` on a personalized scenario, FedMGP): every client tests its own model on its
+  local test splits through `evaluate` messages sent over the run's `Grid`, with KR_t / KR_s per round
+  (`evaluation.client_local`).
 
-Both answer `round_stamp(info, last)` (scalars stamped on the round's messages before it runs) and
-`evaluate_round(server, grid, info, last, progress)` with None (nothing evaluated this round) or (per-task
-results or None, extra round metrics).
+Every regime answers `init_state(state)`, `evaluate(server, task, rnd, last, state)` → the round's log entry,
+`finish(state)` → the metrics.json entries (`summary`, `accuracy_matrix`, …), `every_round` (also evaluate after
+rounds that end no task) and `round_stamp(last)` (scalars stamped on the round's messages before it runs).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch import nn
 
-from promptfcl.config import EvalConfig
+from promptfcl.config import ConfigError, EvalConfig
 from promptfcl.data.base import ImageSplit
+from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
-from promptfcl.evaluation.client_local import ClientLocalEvaluation
-from promptfcl.evaluation.evaluator import Evaluator, TaskResult
-from promptfcl.federation.protocol import Grid, RoundInfo, ServerProgram
+from promptfcl.evaluation.client_local import ClientLocalRegime
+from promptfcl.evaluation.evaluator import Evaluator
+from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
+from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
+from promptfcl.federation.protocol import Grid, ServerProgram
 from promptfcl.scenario.scenario import Scenario
 
 
-class ServerEvaluation:
-    """The server-side regimes: the global model on the test split of every seen task."""
+class ServerSideRegime:
+    """What the regimes that test on the server share: nothing is stamped on the round's messages."""
 
-    def __init__(self, evaluator: Evaluator, every_round: bool) -> None:
-        self.evaluator = evaluator
-        self.every_round = every_round
+    every_round = False  # also evaluate after rounds that end no task (`eval.every_round`)
 
-    def round_stamp(self, info: RoundInfo, last: bool) -> dict[str, Any]:
+    def round_stamp(self, last: bool) -> dict[str, Any]:
         return {}
 
-    def evaluate_round(
-        self, server: ServerProgram, grid: Grid, info: RoundInfo, last: bool, progress: dict[str, Any]
-    ) -> tuple[list[TaskResult] | None, dict[str, Any]] | None:
-        if not (last or self.every_round):
-            return None
-        return self.evaluator.evaluate(server.global_model(), info.task), {}
+
+class ClassIncrementalRegime(ServerSideRegime):
+    """The accuracy matrix of the global model over global tasks (class-incremental and static long-tailed runs),
+    with overall / head / mid / tail accuracy when the scenario defines class groups."""
+
+    name = "class_incremental"
+
+    def __init__(
+        self, evaluator: Evaluator, class_groups: dict[str, list[int]] | None = None, every_round: bool = False
+    ) -> None:
+        self.evaluator = evaluator
+        self.class_groups = class_groups
+        self.every_round = every_round
+
+    def init_state(self, state: dict[str, Any]) -> None:
+        state.update(accuracy_matrix=[], correct=[], total=[])
+
+    def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
+        results = self.evaluator.evaluate(server.global_model(), task)
+        entry: dict[str, Any] = {"accuracy": [r.accuracy for r in results]}
+        if self.class_groups is not None:
+            entry["class_groups"] = self.group_accuracy(results)
+        if last:
+            state["accuracy_matrix"].append([r.accuracy for r in results])
+            state["correct"] = [r.correct for r in results]
+            state["total"] = [r.total for r in results]
+            if self.class_groups is not None:
+                state["class_groups"] = entry["class_groups"]
+        return entry
+
+    def group_accuracy(self, results: list[Any]) -> dict[str, float]:
+        """Overall / head / mid / tail accuracy over every evaluated task's test images."""
+        correct: dict[int, int] = {}
+        total: dict[int, int] = {}
+        for r in results:
+            correct.update(r.class_correct or {})
+            total.update(r.class_total or {})
+        return class_group_accuracy(correct, total, self.class_groups or {})
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        A = state["accuracy_matrix"]
+        groups = {"class_groups": state["class_groups"]} if "class_groups" in state else {}
+        return {
+            "summary": {**summarize(A, state["correct"], state["total"]), **groups},
+            "accuracy_matrix": A,
+            "accuracy_curve": accuracy_curve(A),
+        }
 
 
-def build_evaluation(
+class SlotEvaluator:
+    """Masked accuracy per label-space task; each model's logits are computed once per test image."""
+
+    def __init__(
+        self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int, device: torch.device
+    ) -> None:
+        self.test, self.scenario, self.transform = test, scenario, transform
+        self.batch_size, self.device = batch_size, device
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, idx: np.ndarray) -> torch.Tensor:
+        model.eval()
+        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), self.test.targets[idx])
+        return torch.cat([model(x).cpu() for x, _ in sub.batches(self.batch_size, self.transform, device=self.device)])
+
+    def evaluate(self, models: dict[int, nn.Module], label_tasks: list[int]) -> list[dict[str, Any]]:
+        """{label_task, client, client_task, correct, total, accuracy} per label-space task g, with `models[g]`."""
+        s, space = self.scenario, self.scenario.label_space
+        owners = s.owners or [(0, g) for g in range(len(s.task_classes))]
+        by_model: dict[int, list[int]] = {}
+        for g in label_tasks:
+            by_model.setdefault(id(models[g]), []).append(g)
+        out = []
+        for groups in by_model.values():
+            model = models[groups[0]]
+            union = np.unique(np.concatenate([s.test_indices[g] for g in groups]))
+            logits = self.logits(model, union)
+            for g in groups:
+                pos = torch.as_tensor(np.searchsorted(union, s.test_indices[g]), dtype=torch.long)
+                slots = torch.tensor(space.tasks[g].logits, dtype=torch.long)
+                target = space.task_class_to_logit(g)[self.test.targets[s.test_indices[g]]] - slots[0]
+                pred = logits[pos][:, slots].argmax(dim=1)
+                correct, total = int((pred == target).sum()), len(pos)
+                out.append(
+                    {
+                        "label_task": g,
+                        "client": owners[g][0],
+                        "client_task": owners[g][1],
+                        "correct": correct,
+                        "total": total,
+                        "accuracy": 100.0 * correct / total if total else float("nan"),
+                    }
+                )
+        return sorted(out, key=lambda r: r["label_task"])
+
+
+def points_from_log(log: list[dict[str, Any]], stage_end_only: bool = True) -> list[dict[int, float]]:
+    """[evaluation point] → {label_task: accuracy} from the per-(client, task) evaluation log."""
+    keys: dict[tuple[int, int], dict[int, float]] = {}
+    for r in log:
+        if stage_end_only and not r["stage_end"]:
+            continue
+        keys.setdefault((r["stage"], r["round"]), {})[r["label_task"]] = r["accuracy"]
+    return [keys[k] for k in sorted(keys)]
+
+
+def load_direct_points(run_dir: str | Path) -> list[dict[int, float]]:
+    """Stage-end points of a finished direct (single-task) run."""
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise ConfigError(f"eval.direct_reference: {path} not found; run the direct reference first")
+    m = json.loads(path.read_text())
+    if "evaluations" not in m:
+        raise ConfigError(f"eval.direct_reference: {run_dir} is not a task-aware per-(client, task) run")
+    return points_from_log(m["evaluations"])
+
+
+def slot_summary(
+    scenario: Scenario, log: list[dict[str, Any]], direct: list[dict[int, float]] | None = None
+) -> dict[str, Any]:
+    """Transfer metrics of a run's per-(client, task) evaluation log (FWT/total transfer with a direct log)."""
+    points = points_from_log(log)
+    finished = [scenario.finished_label_tasks(s) for s in range(len(points))]
+    last = [r for r in log if r["stage_end"] and r["stage"] == len(points) - 1]
+    if direct is not None and len(direct) != len(points):
+        raise ConfigError(f"the direct reference has {len(direct)} evaluation points, this run {len(points)}")
+    return transfer_summary(
+        points,
+        finished,
+        direct,
+        points_from_log(log, stage_end_only=False),
+        sum(r["correct"] for r in last),
+        sum(r["total"] for r in last),
+    )
+
+
+class SlotRegime(ServerSideRegime):
+    """Task-aware accuracy per (client, task) on its own slots, with the client's model (asynchronous runs)."""
+
+    name = "task_aware_slots"
+
+    def __init__(self, evaluator: SlotEvaluator, cfg: EvalConfig) -> None:
+        self.evaluator, self.cfg = evaluator, cfg
+        self.scenario = evaluator.scenario
+        self.every_round = cfg.every_round
+
+    def init_state(self, state: dict[str, Any]) -> None:
+        state["evaluations"] = []
+
+    def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
+        owners, tasks = self.scenario.owners or [], self.scenario.trained_label_tasks(task)
+        models = {
+            g: server.client_model(owners[g][0], g) if self.cfg.model == "auto" else server.global_model()
+            for g in tasks
+        }
+        results = self.evaluator.evaluate(models, tasks)
+        for r in results:
+            state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
+        return {"accuracy": {str(r["label_task"]): r["accuracy"] for r in results}}
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        log = state["evaluations"]
+        direct = load_direct_points(self.cfg.direct_reference) if self.cfg.direct_reference else None
+        points = points_from_log(log)
+        n_tasks = len(self.scenario.task_classes)
+        matrix = [[p.get(g) for g in range(n_tasks)] for p in points]
+        return {
+            "regime": self.name,
+            "summary": slot_summary(self.scenario, log, direct),
+            "accuracy_matrix": matrix,
+            "accuracy_curve": stage_accuracy(points),
+            "evaluations": log,
+            "direct_reference": self.cfg.direct_reference,
+        }
+
+
+def build_regime(
     cfg: EvalConfig,
-    test: ImageSplit,
     scenario: Scenario,
+    test: ImageSplit,
     transform: ImageTransform,
     device: torch.device,
-    per_class: bool = False,
-) -> ServerEvaluation | ClientLocalEvaluation:
-    """The evaluation of a run under `cfg.regime` (`per_class`: the server evaluator also tallies real classes)."""
-    if cfg.regime == "client_local":
-        if per_class:
-            raise ValueError("class-group accuracy needs the server-side evaluator; use eval.regime: task_agnostic")
-        return ClientLocalEvaluation(scenario, cfg.batch_size, cfg.retention_every_round or cfg.every_round)
-    evaluator = Evaluator(test, scenario, transform, cfg.batch_size, device, cfg.regime, per_class=per_class)
-    return ServerEvaluation(evaluator, cfg.every_round)
+    grid: Grid | None = None,
+) -> ClassIncrementalRegime | SlotRegime | ClientLocalRegime:
+    """The evaluation regime of a run: the one place `eval.regime` is dispatched (`grid`: the run's grid, which the
+    client_local regime sends its `evaluate` messages through)."""
+    if cfg.regime == "client_local" or (cfg.regime == "auto" and scenario.personalized):
+        if not scenario.personalized:
+            raise ConfigError(
+                "eval.regime: client_local tests each client on its local test splits, which only personalized "
+                "scenarios hold; set scenario.kind: personalized or eval.regime: auto"
+            )
+        if cfg.class_groups:
+            raise ConfigError("eval.class_groups needs the server-side evaluator; use eval.regime: task_agnostic")
+        if grid is None:
+            raise ValueError("the client_local regime needs the run's grid")
+        return ClientLocalRegime(scenario, grid, cfg.batch_size, cfg.retention_every_round or cfg.every_round)
+    if scenario.schedule is not None:
+        if cfg.regime == "task_agnostic":
+            raise ConfigError(
+                "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat "
+                "under several logits); use task_aware or auto"
+            )
+        return SlotRegime(SlotEvaluator(test, scenario, transform, cfg.batch_size, device), cfg)
+    regime = "task_agnostic" if cfg.regime == "auto" else cfg.regime
+    groups = scenario.class_groups if cfg.class_groups is not False else None
+    if cfg.class_groups and groups is None:
+        raise ConfigError("eval.class_groups: the scenario defines no class groups; use scenario.kind: long_tailed")
+    evaluator = Evaluator(test, scenario, transform, cfg.batch_size, device, regime, per_class=groups is not None)
+    return ClassIncrementalRegime(evaluator, groups, cfg.every_round)

@@ -54,3 +54,57 @@ def classwise_mean(
     fallback = keep.double() if keep is not None else x.mean(0)
     held = (total > 0).view(-1, *([1] * (x.ndim - 2)))
     return torch.where(held, mean, fallback).to(rows[0].dtype)
+
+
+def owner_row_mean(
+    previous: torch.Tensor,
+    values: Sequence[torch.Tensor],
+    owned_rows: Sequence[Sequence[int]],
+    weights: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """Per row, the weighted mean over only the clients that own (trained) that row; other rows keep `previous`.
+
+    For per-(client, task) output slots (Powder/C2Prompt), a head row is trained by the one client whose task owns
+    it; averaging it with the untouched copies of the other clients would shrink its update by their number.
+    """
+    w = [1.0] * len(values) if weights is None else list(weights)
+    acc = torch.zeros(previous.shape, dtype=torch.float64)
+    total = torch.zeros(previous.shape[0], dtype=torch.float64)
+    for wk, v, rows in zip(w, values, owned_rows, strict=True):
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        acc[idx] += wk * v[idx].double()
+        total[idx] += wk
+    out = previous.detach().clone()
+    hit = total > 0
+    shape = (-1,) + (1,) * (previous.dim() - 1)
+    out[hit] = (acc[hit] / total[hit].view(shape)).to(previous.dtype)
+    return out
+
+
+def class_affinity_weights(hist: torch.Tensor, temperature: float, norm: str = "centered_l2") -> torch.Tensor:
+    """C2Prompt's CPA weights W = row-softmax(H Hᵀ / τ) for stacked prompt-class histograms H (rows, classes).
+
+    `norm` (the sources are silent): `centered_l2` subtracts from every row the mean row of its client block
+    (pass `hist` as (clients, N, classes) for that) and L2-normalises rows, so H Hᵀ is the cosine of relative
+    class affinities; `l2` L2-normalises raw rows; `l1` divides rows by their absolute sum; `none` uses H as is.
+    Returns (rows, rows) with rows summing to one.
+    """
+    h = hist.double()
+    if norm == "centered_l2":
+        if h.dim() != 3:
+            raise ValueError("centered_l2 needs the histograms as (clients, components, classes)")
+        h = h - h.mean(dim=1, keepdim=True)
+    h = h.reshape(-1, h.shape[-1])
+    if norm in ("centered_l2", "l2"):
+        h = torch.nn.functional.normalize(h, dim=1)
+    elif norm == "l1":
+        h = h / h.abs().sum(dim=1, keepdim=True).clamp_min(1e-12)
+    elif norm != "none":
+        raise ValueError(f"unknown histogram normalisation {norm!r}")
+    return torch.softmax(h @ h.T / temperature, dim=1)
+
+
+def mix_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """W · P for stacked rows P (R, …): every output row a convex combination of the inputs (float64 sums)."""
+    flat = rows.reshape(rows.shape[0], -1).double()
+    return (weights.double() @ flat).reshape(rows.shape).to(rows.dtype)

@@ -37,15 +37,17 @@ def run_client(
     task, rnd = int(message.scalars["task"]), int(message.scalars["round"])
     client_seed = derive_seed(seed, "client", task, rnd, client_id, message.kind)
     seed_everything(client_seed)
-    space = scenario.client_label_space(client_id)
-    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), space.class_to_logit)
+    label_task = scenario.label_task(task, client_id)
+    space = scenario.client_label_space(client_id)  # its own task sequence in a personalized scenario
+    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), space.task_class_to_logit(label_task))
 
     def local_test(t: int) -> LabeledSubset:
-        return LabeledSubset.of(train, scenario.client_test_indices(t, client_id), space.class_to_logit)
+        return LabeledSubset.of(train, scenario.client_test_indices(t, client_id), space.task_class_to_logit(t))
 
     ctx = ClientContext(
-        client_id, task, rnd, state, data, client_seed, device, space, local_test if scenario.personalized else None
-    )
+        client_id, task, rnd, state, data, client_seed, device, label_task,
+        space if scenario.personalized else None, local_test if scenario.personalized else None,
+    )  # fmt: skip
     return client.handle(message, ctx)
 
 

@@ -116,10 +116,15 @@ class ClientContext:
     train_data: LabeledSubset  # this client's training data for `task`
     seed: int  # derived from (run seed, task, round, client, message kind)
     device: torch.device
+    label_task: int | None = None  # label-space task (logit slots) trained; `task` unless asynchronous
     # the client's label space (its own task sequence in a personalized scenario); None: the method env's
     label_space: LabelSpace | None = None
     # task → this client's local test split of that task (personalized scenarios; None otherwise)
     local_test: Callable[[int], LabeledSubset] | None = None
+
+    def __post_init__(self) -> None:
+        if self.label_task is None:
+            self.label_task = self.task
 
     def space(self, env: MethodEnv) -> LabelSpace:
         """The label space this client trains and is tested in."""
@@ -136,6 +141,16 @@ class MethodEnv:
     device: torch.device
     seed: int
     extras: dict[str, Any] = field(default_factory=dict)
+    schedule: list[list[int]] | None = None  # asynchronous scenarios: [stage][client] → label-space task
+
+    @property
+    def num_stages(self) -> int:
+        """Tasks of the run loop: stages of an asynchronous scenario, else the label space's tasks."""
+        return len(self.schedule) if self.schedule is not None else self.label_space.num_tasks
+
+    def label_task(self, stage: int, client: int) -> int:
+        """The label-space task `client` trains in `stage`."""
+        return stage if self.schedule is None else self.schedule[stage][client]
 
     def train_transform(self, augment: str) -> ImageTransform:
         from dataclasses import replace
@@ -176,6 +191,13 @@ class ServerProgram(_Program, ABC):
     @abstractmethod
     def global_model(self) -> nn.Module:
         """The model the evaluator tests: images → logits over the whole label space."""
+
+    def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
+        """The model that serves `client`'s label-space task in task-aware per-(client, task) evaluation (default:
+        the global one; servers that send each client its own parameters, like C2Prompt's CPA, return that
+        client's; the direct single-task reference returns the task's own model). Equal arguments must give the
+        same object within one evaluation."""
+        return self.global_model()
 
     def evaluate_message(self) -> Message:
         """What clients receive to test the current global model on their own data (`client_local` regime):

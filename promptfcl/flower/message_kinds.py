@@ -6,4 +6,10 @@ learn their kinds: the list lives here, and a test checks it equals every regist
 `ClientProgram.message_kinds`.
 """
 
-CLIENT_MESSAGE_KINDS: tuple[str, ...] = ("train", "label_counts", "update", "evaluate")  # CAPT; client_local
+CLIENT_MESSAGE_KINDS: tuple[str, ...] = (
+    "train",
+    "label_counts",  # CAPT
+    "update",  # CAPT
+    "stats",  # C2Prompt
+    "evaluate",  # the client_local evaluation regime (FedMGP and the baselines on personalized scenarios)
+)

@@ -1,6 +1,7 @@
 """Methods: each module registers a server program, a client program and its paper-default hyper-parameters."""
 
 from promptfcl.methods import (  # noqa: F401  (register)
+    c2prompt,
     capt,
     ccvr,
     clip_baselines,

@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
-from promptfcl.federation.aggregation import weighted_mean
+from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
 from promptfcl.prompts.pools import PromptPool
@@ -68,12 +68,16 @@ class SupervisedClient(ClientProgram):
             raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
-        set_task(model, ctx.task)
+        set_task(model, self.pool_task(ctx))
         if message.kind == "evaluate":
             return evaluate_reply(self.predict(model), ctx, self.env, message)
         stats = self.train(model, ctx, message)
         remember_local(self.predict(model), ctx, self.env, message)
         return self.reply(model, ctx, stats)
+
+    def pool_task(self, ctx: ClientContext) -> int:
+        """The task a prompt pool serves while this client trains (the run's task / stage)."""
+        return ctx.task
 
     def predict(self, model: torch.nn.Module) -> Predict:
         """How this client's model classifies images of a given task (the `client_local` regime)."""
@@ -95,7 +99,7 @@ class SupervisedClient(ClientProgram):
             model,
             ctx.train_data,
             p,
-            ctx.space(self.env).train_mask(ctx.task, p.train_logits),
+            ctx.space(self.env).train_mask(ctx.label_task, p.train_logits),
             self.env.train_transform(p.augment),
             torch_generator(ctx.seed, "local"),
             ctx.device,
@@ -120,6 +124,7 @@ class FedAvgServer(ServerProgram):
         super().__init__(*args, **kwargs)
         seed_everything(self.env.seed, "model_init")
         self.model = self.new_model()
+        self.round_info = RoundInfo(0, 0, ())
 
     def begin_task(self, task: int) -> None:
         prompt = getattr(self.model, "prompt", None)
@@ -127,6 +132,7 @@ class FedAvgServer(ServerProgram):
             prompt.start_task(task)  # pools that grow per task draw the new block here, once
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        self.round_info = info
         replies = grid.broadcast(info.participants, self.downlink(info))
         # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
@@ -150,7 +156,23 @@ class FedAvgServer(ServerProgram):
         if self.params.weighting == "samples":
             weights = [r.scalars["num_samples"] for r in replies.values()]
         names = self.model.state_dict().keys()  # replies may carry statistics beside the parameters
-        self.model.set_state(weighted_mean([{k: r.tensors[k] for k in names} for r in replies.values()], weights))
+        previous = self.model.get_state()
+        mean = weighted_mean([{k: r.tensors[k] for k in names} for r in replies.values()], weights)
+        if self.env.schedule is not None:  # per-(client, task) slots: each head row from the clients that own it
+            mean.update(self.owned_head(previous, replies, weights))
+        self.model.set_state(mean)
+
+    def owned_head(
+        self, previous: dict[str, torch.Tensor], replies: dict[int, Message], weights: list[float] | None
+    ) -> dict[str, torch.Tensor]:
+        """Head rows averaged over the clients whose current label-space task owns them (asynchronous only)."""
+        stage, space = self.round_info.task, self.env.label_space
+        rows = [space.tasks[self.env.label_task(stage, c)].logits for c in replies]
+        return {
+            k: owner_row_mean(previous[k], [r.tensors[k] for r in replies.values()], rows, weights)
+            for k in previous
+            if k.startswith("head.")
+        }
 
     def global_model(self) -> torch.nn.Module:
         return self.model

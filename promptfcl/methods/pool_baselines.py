@@ -97,7 +97,7 @@ def build_dualprompt(env: MethodEnv, p: DualPromptParams) -> PromptedClassifier:
 
 
 def build_codap(env: MethodEnv, p: CodaParams) -> PromptedClassifier:
-    pool = CodaPool(env.backbone.embed_dim, env.label_space.num_tasks, p.layers, p.pool_size, p.length, p.ortho_mu)
+    pool = CodaPool(env.backbone.embed_dim, env.num_stages, p.layers, p.pool_size, p.length, p.ortho_mu)
     return pooled_model(env, p, pool)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.report.plots import plot_accuracy_curves, plot_accuracy_matrix
+from promptfcl.report.plots import plot_accuracy_curves, plot_accuracy_matrix, plot_slot_accuracy
 
 
 def clean_json(x: Any) -> Any:
@@ -38,35 +38,63 @@ def accuracy_matrix_csv(A: list[list[float]]) -> str:
     return buf.getvalue()
 
 
+def slot_matrix_csv(M: list[list[float | None]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["after_stage"] + [f"label_task_{g}" for g in range(len(M[0]) if M else 0)])
+    for s, row in enumerate(M):
+        w.writerow([s] + ["" if v is None else f"{v:.4f}" for v in row])
+    return buf.getvalue()
+
+
 def write_final(run_dir: Path, name: str, metrics: dict[str, Any]) -> None:
     A = metrics["accuracy_matrix"]
     atomic_write_text(run_dir / "metrics.json", json.dumps(clean_json(metrics), indent=2))
-    atomic_write_text(run_dir / "accuracy_matrix.csv", accuracy_matrix_csv(A))
-    plot_accuracy_matrix(A, run_dir / "accuracy_matrix.png", f"{name}: accuracy (%)")
+    if metrics.get("regime") == "task_aware_slots":  # stage × (client, task) slot groups
+        atomic_write_text(run_dir / "accuracy_matrix.csv", slot_matrix_csv(A))
+        plot_slot_accuracy(A, run_dir / "accuracy_matrix.png", f"{name}: task-aware accuracy (%)")
+    else:
+        atomic_write_text(run_dir / "accuracy_matrix.csv", accuracy_matrix_csv(A))
+        plot_accuracy_matrix(A, run_dir / "accuracy_matrix.png", f"{name}: accuracy (%)")
     plot_accuracy_curves({name: metrics["accuracy_curve"]}, run_dir / "accuracy_curve.png")
     atomic_write_text(run_dir / "report.md", markdown_report(name, metrics))
+
+
+SUMMARY_ROWS = [  # regime-specific summary keys, shown before the standard rows when a run has them
+    ("acc", "Acc (%, mean over stage ends)"),  # task-aware per-(client, task) transfer metrics
+    ("aia", "AIA (%, time-averaged)"),
+    ("fwt", "FWT (%)"),
+    ("total_transfer", "total transfer (%)"),
+    ("kr_t", "KR_t (%)"),  # client_local knowledge retention
+    ("kr_s", "KR_s (%)"),
+]
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.2f}" if isinstance(v, float) and math.isfinite(v) else "n/a"
 
 
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     s, comm, t = metrics["summary"], metrics["communication"], metrics["timing"]
     groups = [(f"{g} accuracy (%)", f"{v:.2f}") for g, v in s.get("class_groups", {}).items()]
-    ret = metrics.get("retention") or {}
-    kr = [(f"{name} (%)", "n/a" if ret.get(key) is None else f"{ret[key]:.2f}")
-          for name, key in (("KR_t", "kr_t"), ("KR_s", "kr_s")) if "retention" in metrics]  # fmt: skip
-    return groups + [
-        ("FAA (%)", f"{s['faa']:.2f}"),
-        *kr,
-        ("sample-weighted accuracy (%)", f"{s['sample_weighted_accuracy']:.2f}"),
-        ("average forgetting (%)", f"{s['average_forgetting']:.2f}"),
-        ("BWT (%)", f"{s['bwt']:.2f}"),
-        ("MB per round (up + down)", f"{comm['mb_per_round']:.3f}"),
-        ("wall time (s)", f"{t['total_seconds']:.1f}"),
-    ]
+    extra = [(label, _fmt(s.get(key))) for key, label in SUMMARY_ROWS if key in s]
+    return (
+        groups
+        + extra
+        + [
+            ("FAA (%)", f"{s['faa']:.2f}"),
+            ("sample-weighted accuracy (%)", f"{s['sample_weighted_accuracy']:.2f}"),
+            ("average forgetting (%)", f"{s['average_forgetting']:.2f}"),
+            ("BWT (%)", f"{s['bwt']:.2f}"),
+            ("MB per round (up + down)", f"{comm['mb_per_round']:.3f}"),
+            ("wall time (s)", f"{t['total_seconds']:.1f}"),
+        ]
+    )
 
 
 def markdown_report(name: str, metrics: dict[str, Any]) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary_rows(metrics))
-    curve = " → ".join(f"{v:.1f}" for v in metrics["accuracy_curve"])
+    curve = " → ".join("n/a" if v is None else f"{v:.1f}" for v in metrics["accuracy_curve"])
     timing = metrics["timing"]
     return (
         f"# {name}\n\n| metric | value |\n| --- | --- |\n{rows}\n\n"

@@ -89,9 +89,8 @@ def build_long_tailed(
 def build_scenario(
     cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
 ) -> Scenario:
-    """The scenario family `cfg.kind` names (the one dispatch on `scenario.kind`)."""
-    from promptfcl.scenario.personalized import build_personalized
-    from promptfcl.scenario.scenario import build_class_incremental
+    """The scenario family `cfg.kind` names (kept for callers of this module; the one dispatch is
+    `scenario.scenario.build_scenario`)."""
+    from promptfcl.scenario.scenario import build_scenario as dispatch
 
-    builders = {"long_tailed": build_long_tailed, "personalized": build_personalized}
-    return builders.get(cfg.kind, build_class_incremental)(cfg, train_targets, test_targets, num_classes, seed)
+    return dispatch(cfg, train_targets, test_targets, num_classes, seed)

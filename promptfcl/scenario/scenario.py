@@ -23,22 +23,31 @@ from promptfcl.seeding import numpy_rng
 
 @dataclass
 class Scenario:
-    """Tasks × clients × rounds, as indices into a dataset's train and test splits."""
+    """Tasks × clients × rounds, as indices into a dataset's train and test splits.
+
+    The run loop's "task" index is a *stage*: `client_train` and `participants` are indexed by stage.
+    `task_classes` and `test_indices` are indexed by *label-space task* (a group of logit slots). In a
+    class-incremental scenario both are the same global task. In an asynchronous one (`schedule` set) each
+    label-space task is one (client, client-task) pair (`owners`), and `schedule[stage][client]` names the
+    label-space task the client trains in that stage.
+    """
 
     seed: int
     num_classes: int
     class_order: list[int]
-    task_classes: list[list[int]]
-    client_train: list[list[np.ndarray]]  # [task][client] → train indices
-    test_indices: list[np.ndarray]  # [task] → test indices
-    participants: list[list[list[int]]]  # [task][round] → client ids
+    task_classes: list[list[int]]  # [label-space task] → real classes (slot order)
+    client_train: list[list[np.ndarray]]  # [stage][client] → train indices
+    test_indices: list[np.ndarray]  # [label-space task] → test indices
+    participants: list[list[list[int]]]  # [stage][round] → client ids
     num_clients: int
     class_groups: dict[str, list[int]] | None = None  # long-tailed: "head"/"mid"/"tail" → real class ids
+    kind: str = "class_incremental"
+    schedule: list[list[int]] | None = None  # [stage][client] → label-space task (asynchronous only)
+    owners: list[tuple[int, int]] | None = None  # [label-space task] → (client, index in its sequence)
     # personalized scenarios only (None otherwise): [client][task] → that client's classes, and
     # [task][client] → its local test indices (into the *train* split, held out from `client_train`)
     client_tasks: list[list[list[int]]] | None = None
     client_test: list[list[np.ndarray]] | None = None
-    kind: str = "class_incremental"
 
     @property
     def personalized(self) -> bool:
@@ -46,7 +55,8 @@ class Scenario:
 
     @property
     def num_tasks(self) -> int:
-        return len(self.task_classes)
+        """Stages of the run loop (= tasks in a class-incremental scenario)."""
+        return len(self.participants)
 
     @property
     def rounds_per_task(self) -> int:
@@ -55,8 +65,25 @@ class Scenario:
     @cached_property
     def label_space(self) -> LabelSpace:
         if self.personalized:  # fixed mapping: tasks are the per-task unions over clients and may share classes
-            return LabelSpace(self.task_classes, self.num_classes, self.class_order)
-        return LabelSpace(self.task_classes, self.num_classes)
+            return LabelSpace(self.task_classes, self.num_classes, class_order=self.class_order)
+        return LabelSpace(self.task_classes, self.num_classes, allow_repeats=self.schedule is not None)
+
+    def label_task(self, stage: int, client: int) -> int:
+        """The label-space task `client` trains in `stage`."""
+        return stage if self.schedule is None else self.schedule[stage][client]
+
+    def trained_label_tasks(self, stage: int) -> list[int]:
+        """Label-space tasks trained in stages 0..stage (sorted)."""
+        if self.schedule is None:
+            return list(range(stage + 1))
+        return sorted({g for row in self.schedule[: stage + 1] for g in row})
+
+    def finished_label_tasks(self, stage: int) -> list[int]:
+        """Label-space tasks whose training ends with `stage` (their client moves on, or the run ends)."""
+        if self.schedule is None:
+            return [stage]
+        last = stage == len(self.schedule) - 1
+        return sorted({g for k, g in enumerate(self.schedule[stage]) if last or self.schedule[stage + 1][k] != g})
 
     def client_label_space(self, client: int) -> LabelSpace:
         """The label space a client trains and is evaluated in (its own task sequence when personalized)."""
@@ -72,13 +99,13 @@ class Scenario:
         return self.client_train[task][client]
 
     def client_class_counts(self, train_targets: np.ndarray) -> np.ndarray:
-        """(clients, classes in class order) training-sample counts over all tasks."""
+        """(clients, classes in class order) training samples each client holds over the run (each sample once)."""
         pos = {c: i for i, c in enumerate(self.class_order)}
         counts = np.zeros((self.num_clients, len(self.class_order)), dtype=np.int64)
-        for task in self.client_train:
-            for k, idx in enumerate(task):
-                for c, n in zip(*np.unique(train_targets[idx], return_counts=True), strict=True):
-                    counts[k, pos[int(c)]] += n
+        for k in range(self.num_clients):
+            idx = np.unique(np.concatenate([task[k] for task in self.client_train] or [np.zeros(0, np.int64)]))
+            for c, n in zip(*np.unique(train_targets[idx], return_counts=True), strict=True):
+                counts[k, pos[int(c)]] += n
         return counts
 
     def client_task_matrix(self) -> np.ndarray:
@@ -113,6 +140,8 @@ class Scenario:
             out["client_class_counts"] = self.client_class_counts(train_targets).tolist()
         if self.class_groups is not None:
             out["class_groups"] = self.class_groups
+        if self.schedule is not None:
+            out.update(kind=self.kind, schedule=self.schedule, owners=[list(o) for o in self.owners or []])
         return out
 
     @classmethod
@@ -127,13 +156,15 @@ class Scenario:
             participants=d["participants"],
             num_clients=d["num_clients"],
             class_groups=d.get("class_groups"),
+            kind=d.get("kind", "class_incremental"),
+            schedule=d.get("schedule"),
+            owners=[(int(a), int(b)) for a, b in d["owners"]] if d.get("owners") else None,
             client_tasks=d.get("client_tasks"),
             client_test=(
                 [[np.asarray(i, dtype=np.int64) for i in task] for task in d["client_test"]]
                 if d.get("client_test") is not None
                 else None
             ),
-            kind=d.get("kind", "class_incremental"),
         )
 
     def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:
@@ -147,6 +178,13 @@ class Scenario:
 def task_class_counts(cfg: ScenarioConfig, num_classes: int) -> list[int]:
     """Classes in each task, checked against the dataset's class count."""
     cpt = cfg.classes_per_task
+    if cfg.kind == "asynchronous":
+        if not isinstance(cpt, int) or cpt > num_classes:
+            raise PartitionError(
+                "an asynchronous scenario needs scenario.classes_per_task as one integer ≤ the dataset's "
+                f"{num_classes} classes"
+            )
+        return [cpt] * cfg.num_tasks
     if cpt is None:
         if num_classes % cfg.num_tasks:
             raise PartitionError(
@@ -196,6 +234,25 @@ def draw_participants(cfg: ScenarioConfig, seed: int) -> list[list[list[int]]]:
                 ]
             )
     return out
+
+
+def build_scenario(
+    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
+) -> Scenario:
+    """The scenario family `cfg.kind` names (the one dispatch point for scenario builders)."""
+    if cfg.kind == "asynchronous":
+        from promptfcl.scenario.asynchronous import build_asynchronous
+
+        return build_asynchronous(cfg, train_targets, test_targets, num_classes, seed)
+    if cfg.kind == "long_tailed":
+        from promptfcl.scenario.long_tail import build_long_tailed
+
+        return build_long_tailed(cfg, train_targets, test_targets, num_classes, seed)
+    if cfg.kind == "personalized":
+        from promptfcl.scenario.personalized import build_personalized
+
+        return build_personalized(cfg, train_targets, test_targets, num_classes, seed)
+    return build_class_incremental(cfg, train_targets, test_targets, num_classes, seed)
 
 
 def build_class_incremental(

@@ -1,0 +1,473 @@
+"""Performance benchmark: framework overhead, server steps, memory and the query cache, in one run.
+
+Sections (each method family: prefix = `fedavg_prompt`, `hgp`; pools = `fedl2p`, `fedcodap`, `hepco`'s weighted
+pool):
+
+1. **Client step vs bare timm.** "Ours" is the real client program (`ClientProgram.handle` on a `ClientContext`:
+   uint8 images gathered from the split, resized and normalised on the fly, the method's prompt module, masked
+   CE, clipping, Adam, state copied in and out, and the method's upload, e.g. HGP's class statistics). "Bare" is
+   the minimum anyone would write with timm's modules alone: pre-normalised float tensors, the same prompt
+   layout (prefix lengths per layer, or input tokens) as trainable tensors, for pools a no-grad query forward
+   first, CE, backward, Adam. Same images and batch, interleaved; the median of `--repeats` is reported and
+   the ratio ours / bare (1.0 = no overhead). Pools run with the query cache off here (section 4 measures it).
+   The ratio counts method work the bare step does not do as overhead: HGP's client step also computes its
+   class statistics (one more forward over the data), so its ratio is below the prefix family's by design.
+2. **Server step per round**: the server's share of a round (aggregation plus its own step: HGP's head
+   rebalancing on sampled features, HePCo's generator training and distillation) from a short in-process run
+   on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one).
+3. **Peak RSS** of a whole run (2 tasks x 1 round, 4 images per client, HePCo on its CPU-preset server schedule)
+   with 1 and with 50 simulated clients, each in its own subprocess (`--quick`: `fedavg_prompt` only).
+4. **Query-cache speed-up** of pool client steps: images/s with q(x) cached vs recomputed (flip augmentation,
+   several local epochs: the first fills the cache).
+5. **On CUDA** (or with `--bf16` on the CPU): the client step under bf16 autocast (ours and bare), achieved
+   TFLOP/s of ours (FLOPs of one bare step with the same prompt, counted by torch's FlopCounterMode) and the
+   fraction of the GPU's dense bf16 peak (table `BF16_PEAK`, by device name).
+
+    python benchmarks/perf.py [--quick] [--bf16] [--cpu] [--out benchmarks/results/perf.json]
+
+Speeds are random-init weights (speed does not depend on them): ViT-Tiny/16 at 112 px, batch 16 on CPU;
+ViT-B/16 at 224 px, batch 64 on CUDA. Run it on a quiet machine: other processes change every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from promptfcl.backbones.vit import build_vit
+from promptfcl.config import BackboneConfig, build_config
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.synthetic import SyntheticOptions, load_synthetic
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.environment import environment_info
+from promptfcl.federation.message import Record
+from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
+from promptfcl.methods import METHODS
+from promptfcl.scenario.label_space import LabelSpace
+
+FAMILIES = {"fedavg_prompt": "prefix", "hgp": "prefix", "fedl2p": "pool", "fedcodap": "pool", "hepco": "pool"}
+SERVER_METHODS = ["fedavg_prompt", "hgp", "hepco"]
+CACHE_METHODS = {"hepco": {}, "fedcodap": {}, "fedl2p": {}}
+RSS_METHODS = ["fedavg_prompt", "hepco"]
+# the CPU presets' shorter HePCo server schedule (configs/cpu/hepco_cifar100.yaml): server step with --quick, and
+# the RSS runs (memory does not depend on the iteration count; 50 teachers x the paper's schedule takes long)
+PRESET_SERVER = {"hepco": {"generator_iterations": 20, "generator_extra_per_task": 5, "kd_iterations": 50}}
+# dense bf16 tensor-core peak (TFLOP/s, without sparsity) by device-name fragment
+BF16_PEAK = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+@dataclass
+class Setting:
+    """Backbone, image size, batch and amounts of one benchmark run."""
+
+    device: torch.device
+    backbone: str
+    img_size: int
+    batch: int
+    images: int
+    repeats: int
+    cache_epochs: int
+    cache_images: int
+    bf16: bool = False
+
+
+def setting(args: argparse.Namespace) -> Setting:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if device.type == "cuda":
+        s = Setting(device, "vit_base_patch16_224", 224, 64, 1024, 3, 3, 512)
+        if args.quick:
+            s.images, s.repeats, s.cache_images = 256, 1, 256
+    else:
+        s = Setting(device, "vit_tiny_patch16_224", 112, 16, 320, 3, 3, 160)
+        if args.quick:
+            s.images, s.repeats, s.cache_epochs, s.cache_images = 48, 1, 2, 32
+    s.bf16 = bool(getattr(args, "bf16", False))
+    return s
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------------ client step
+class ClientBench:
+    """One method's real client step on synthetic images, and the bare timm step with the same prompt layout."""
+
+    def __init__(self, method: str, s: Setting, images: int, extra: dict[str, Any] | None = None) -> None:
+        self.s = s
+        self.backbone = build_vit(BackboneConfig(name=s.backbone, img_size=s.img_size)).to(s.device)
+        classes = 10
+        ds = load_synthetic(
+            None, SyntheticOptions(num_classes=classes, train_per_class=max(images // classes, 1)), False
+        )
+        space = LabelSpace([list(range(classes))], classes)
+        self.tf = ImageTransform(s.img_size)
+        spec = METHODS.get(method)
+        base = {"local_epochs": 1, "batch_size": s.batch, "augment": "none", **(extra or {})}
+        self.params = spec.params.model_validate(base)
+        env = MethodEnv(self.backbone, space, self.tf, s.device, seed=0)
+        self.server, self.client = spec.programs(env, self.params)
+        self.server.begin_task(0)
+        self.msg = self.server.downlink(RoundInfo(0, 0, (0,)))
+        self.data = LabeledSubset.of(ds.train, torch.arange(len(ds.train)), space.class_to_logit)
+        self.x = self.tf(ds.train.images.to(s.device))
+        self.y = ds.train.targets.to(s.device)
+        self.classes = classes
+
+    def ours(self, round_: int = 0) -> float:
+        """Images/s of one `handle` call (one local epoch over the data)."""
+        ctx = ClientContext(0, 0, round_, Record(), self.data, round_, self.s.device)
+        msg = self.msg.copy()
+        msg.scalars["round"] = round_
+        t0 = time.perf_counter()
+        self.client.handle(msg, ctx)
+        sync(self.s.device)
+        return len(self.data) / (time.perf_counter() - t0)
+
+    def prompt_layout(self) -> tuple[dict[int, tuple[int, int]], int, bool]:
+        """(prefix lengths per layer, number of input tokens, needs a query) of the method's prompt."""
+        model = self.server.model
+        prompt = getattr(model, "prompt", None)
+        if prompt is None:
+            return {}, 0, False
+        needs_query = bool(getattr(prompt, "needs_query", False))
+        with torch.no_grad():
+            x = self.x[: self.s.batch]
+            spec = prompt(x.shape[0], self.backbone.query(x) if needs_query else None)
+        prefix = {i: (k.shape[-2], v.shape[-2]) for i, (k, v) in spec.prefix.items()}
+        return prefix, (spec.tokens.shape[-2] if spec.tokens is not None else 0), needs_query
+
+    def bare_step(self) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        prefix, n_tokens, needs_query = self.prompt_layout()
+        return bare_step_fn(self.backbone.vit, prefix, n_tokens, needs_query, self.classes, self.s.device)
+
+    def bare(self, step: Callable[[torch.Tensor, torch.Tensor], None]) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, len(self.x), self.s.batch):
+            step(self.x[i : i + self.s.batch], self.y[i : i + self.s.batch])
+        sync(self.s.device)
+        return len(self.x) / (time.perf_counter() - t0)
+
+
+def bare_step_fn(
+    vit: torch.nn.Module,
+    prefix: dict[int, tuple[int, int]],
+    n_tokens: int,
+    needs_query: bool,
+    classes: int,
+    device: torch.device,
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A hand-written prompt-tuning step on timm's modules (no framework code) with the given prompt layout."""
+    d = vit.embed_dim
+    pk = {i: torch.nn.Parameter(torch.zeros(lk, d, device=device)) for i, (lk, _) in prefix.items()}
+    pv = {i: torch.nn.Parameter(torch.zeros(lv, d, device=device)) for i, (_, lv) in prefix.items()}
+    tokens = torch.nn.Parameter(torch.zeros(n_tokens, d, device=device)) if n_tokens else None
+    head = torch.nn.Linear(d, classes).to(device)
+    params = [*pk.values(), *pv.values(), *head.parameters(), *([tokens] if tokens is not None else [])]
+    opt = torch.optim.Adam(params, lr=1e-3)
+
+    def attn_with_prefix(attn: torch.nn.Module, x: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = attn.qkv(x).reshape(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        pk_ = k_.expand(b, -1, -1).reshape(b, k_.shape[0], attn.num_heads, -1).transpose(1, 2)
+        pv_ = v_.expand(b, -1, -1).reshape(b, v_.shape[0], attn.num_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, torch.cat([pk_, k], 2), torch.cat([pv_, v], 2))
+        return attn.proj(out.transpose(1, 2).reshape(b, n, c))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if needs_query:
+            with torch.no_grad():
+                vit.forward_features(x)  # the query q(x): one unprompted forward
+        h = vit._pos_embed(vit.patch_embed(x))
+        if tokens is not None:
+            h = torch.cat([h[:, :1], tokens.expand(h.shape[0], -1, -1), h[:, 1:]], dim=1)
+        for i, blk in enumerate(vit.blocks):
+            if i in prefix:
+                h = h + attn_with_prefix(blk.attn, blk.norm1(h), pk[i], pv[i])
+                h = h + blk.mlp(blk.norm2(h))
+            else:
+                h = blk(h)
+        loss = F.cross_entropy(head(vit.norm(h)[:, 0]), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return step
+
+
+def client_steps(s: Setting) -> list[dict[str, Any]]:
+    rows = []
+    for method, family in FAMILIES.items():
+        bench = ClientBench(method, s, s.images)
+        step = bench.bare_step()
+        bench.ours(), bench.bare(step)  # warm-up
+        o, b = [], []
+        for _ in range(s.repeats):
+            o.append(bench.ours())
+            b.append(bench.bare(step))
+        row = {
+            "method": method,
+            "family": family,
+            "ours_images_per_s": statistics.median(o),
+            "bare_images_per_s": statistics.median(b),
+            "ratio": statistics.median(o) / statistics.median(b),
+            "ours_all": o,
+            "bare_all": b,
+        }
+        if s.device.type == "cuda" or s.bf16:
+            row.update(bf16(bench, step, s))
+        rows.append(row)
+        print(
+            f"  client step {method:<14} ours {row['ours_images_per_s']:8.1f} img/s  bare "
+            f"{row['bare_images_per_s']:8.1f} img/s  ratio {row['ratio']:.3f}",
+            flush=True,
+        )
+    return rows
+
+
+def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
+    """bf16-autocast images/s of ours and bare, TFLOP/s of the bare step and its fraction of the bf16 peak."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.autocast(s.device.type, dtype=torch.bfloat16):
+        with FlopCounterMode(display=False) as counter:
+            step(bench.x[: s.batch], bench.y[: s.batch])
+        flops_per_image = counter.get_total_flops() / s.batch
+        bench.ours(), bench.bare(step)
+        o = statistics.median(bench.ours() for _ in range(s.repeats))
+        b = statistics.median(bench.bare(step) for _ in range(s.repeats))
+    name = torch.cuda.get_device_name(0) if s.device.type == "cuda" else platform.processor() or "cpu"
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None) if s.device.type == "cuda" else None
+    ours_tflops = flops_per_image * o / 1e12
+    return {
+        "bf16_ours_images_per_s": o,
+        "bf16_bare_images_per_s": b,
+        "bf16_ratio": o / b,
+        "flops_per_image": flops_per_image,
+        "bf16_ours_tflops": ours_tflops,
+        "bf16_bare_tflops": flops_per_image * b / 1e12,
+        "gpu": name,
+        "bf16_peak_tflops": peak,
+        "bf16_ours_fraction_of_peak": ours_tflops / peak if peak else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------ runs (server, RSS)
+def tiny_run_config(
+    method: str, s: Setting, clients: int, preset_server: bool, per_client: int = 8, rounds: int = 2
+) -> dict[str, Any]:
+    classes = 10
+    method_cfg: dict[str, Any] = {"name": method, "local_epochs": 1, "batch_size": s.batch, "augment": "none"}
+    if preset_server:
+        method_cfg.update(PRESET_SERVER.get(method, {}))
+    return {
+        "name": f"perf_{method}",
+        "data": {
+            "name": "synthetic",
+            "options": {
+                "num_classes": classes,
+                "train_per_class": max(per_client * clients // classes, 4),
+                "test_per_class": 4,
+                "image_size": 32,
+            },
+        },
+        "scenario": {
+            "num_tasks": 2,
+            "num_clients": clients,
+            "rounds_per_task": rounds,
+            "partition": {"kind": "iid", "min_samples": 1},
+        },
+        "backbone": {"name": s.backbone, "img_size": s.img_size},
+        "method": method_cfg,
+        "engine": {"device": s.device.type},
+    }
+
+
+def run_experiment(raw: dict[str, Any]) -> dict[str, Any]:
+    from promptfcl.experiment import Experiment
+
+    with tempfile.TemporaryDirectory() as d:
+        return Experiment(build_config(raw), Path(d) / "run", show_progress=False).run()
+
+
+def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
+    rows = []
+    for method in SERVER_METHODS:
+        m = run_experiment(tiny_run_config(method, s, 5, quick))
+        rounds = m["communication"]["rounds"]
+        row = {
+            "method": method,
+            "server_seconds_per_round": m["timing"]["server_seconds"] / rounds,
+            "client_seconds_per_round": m["timing"]["client_seconds"] / rounds,
+            "schedule": "CPU preset" if quick and method in PRESET_SERVER else "method defaults",
+        }
+        rows.append(row)
+        print(f"  server step {method:<14} {row['server_seconds_per_round']:.3f} s/round", flush=True)
+    return rows
+
+
+def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
+    """Subprocess entry: one short run with `clients` simulated clients, then print its peak RSS as JSON."""
+    s = setting(argparse.Namespace(quick=quick, cpu=cpu))
+    run_experiment(tiny_run_config(method, s, clients, True, per_client=4, rounds=1))
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if s.device.type == "cuda" else None
+    print(json.dumps({"peak_rss_mb": peak_kb / 1024, "peak_gpu_mb": gpu}))
+
+
+def peak_rss(quick: bool, cpu: bool) -> list[dict[str, Any]]:
+    rows = []
+    for method in RSS_METHODS[:1] if quick else RSS_METHODS:
+        row: dict[str, Any] = {"method": method}
+        for clients in (1, 50):
+            cmd = [sys.executable, __file__, "--rss-child", method, str(clients)]
+            cmd += ["--quick"] if quick else []
+            cmd += ["--cpu"] if cpu else []
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            child = json.loads(out.strip().splitlines()[-1])
+            row[f"peak_rss_mb_{clients}_clients"] = child["peak_rss_mb"]
+            if child["peak_gpu_mb"] is not None:
+                row[f"peak_gpu_mb_{clients}_clients"] = child["peak_gpu_mb"]
+        row["ratio_50_vs_1"] = row["peak_rss_mb_50_clients"] / row["peak_rss_mb_1_clients"]
+        rows.append(row)
+        print(
+            f"  peak RSS {method:<14} 1 client {row['peak_rss_mb_1_clients']:.0f} MB, 50 clients "
+            f"{row['peak_rss_mb_50_clients']:.0f} MB",
+            flush=True,
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- query cache
+def query_cache(s: Setting) -> list[dict[str, Any]]:
+    rows = []
+    for method, extra in CACHE_METHODS.items():
+        res = {}
+        for cached in (False, True):
+            bench = ClientBench(method, s, s.cache_images, {**extra, "augment": "flip", "query_cache": cached})
+            times = []
+            for e in range(s.cache_epochs):  # one epoch per message, so each epoch is timed on its own
+                times.append(len(bench.data) / bench.ours(e))
+            n = len(bench.data)
+            res[cached] = (n * len(times) / sum(times), n * (len(times) - 1) / sum(times[1:]))
+        row = {
+            "method": method,
+            "uncached_images_per_s": res[False][1],
+            "cached_images_per_s_all_epochs": res[True][0],
+            "ratio_all_epochs": res[True][0] / res[False][0],
+            "cached_images_per_s_warm": res[True][1],
+            "ratio_warm": res[True][1] / res[False][1],
+        }
+        rows.append(row)
+        print(
+            f"  query cache {method:<14} warm ratio {row['ratio_warm']:.2f}, incl. first epoch "
+            f"{row['ratio_all_epochs']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------- output
+def tables(result: dict[str, Any]) -> str:
+    header = "| method | family | ours img/s | bare timm img/s | ratio |"
+    bf16_cols = any("bf16_ours_images_per_s" in r for r in result["client_step"])
+    if bf16_cols:
+        header += " bf16 ours img/s | bf16 ratio | bf16 TFLOP/s | of bf16 peak |"
+    out = [header, "|" + " --- |" * (header.count("|") - 1)]
+    for r in result["client_step"]:
+        line = (
+            f"| {r['method']} | {r['family']} | {r['ours_images_per_s']:.1f} | {r['bare_images_per_s']:.1f} | "
+            f"{r['ratio']:.3f} |"
+        )
+        if "bf16_ours_images_per_s" in r:
+            frac = r["bf16_ours_fraction_of_peak"]
+            line += (
+                f" {r['bf16_ours_images_per_s']:.1f} | {r['bf16_ratio']:.3f} | {r['bf16_ours_tflops']:.3g} |"
+                f" {'–' if frac is None else f'{100 * frac:.1f} %'} |"
+            )
+        out.append(line)
+    out += ["", "| method | server s / round | client s / round | server schedule |", "| --- | --- | --- | --- |"]
+    out += [
+        f"| {r['method']} | {r['server_seconds_per_round']:.3f} | {r['client_seconds_per_round']:.3f} | "
+        f"{r['schedule']} |"
+        for r in result["server_step"]
+    ]
+    out += ["", "| method | peak RSS, 1 client (MB) | peak RSS, 50 clients (MB) | ratio |", "| --- | --- | --- | --- |"]
+    out += [
+        f"| {r['method']} | {r['peak_rss_mb_1_clients']:.0f} | {r['peak_rss_mb_50_clients']:.0f} | "
+        f"{r['ratio_50_vs_1']:.2f} |"
+        for r in result["peak_rss"]
+    ]
+    out += [
+        "",
+        "| method | recomputed img/s | cached img/s (all epochs) | ratio | cached img/s (warm) | warm ratio |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    out += [
+        f"| {r['method']} | {r['uncached_images_per_s']:.1f} | {r['cached_images_per_s_all_epochs']:.1f} | "
+        f"{r['ratio_all_epochs']:.2f} | {r['cached_images_per_s_warm']:.1f} | {r['ratio_warm']:.2f} |"
+        for r in result["query_cache"]
+    ]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few images, one repeat: checks the script, not speeds")
+    ap.add_argument("--cpu", action="store_true", help="measure on the CPU even when a GPU is present")
+    ap.add_argument("--bf16", action="store_true", help="also the bf16-autocast section on the CPU (always on CUDA)")
+    ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
+    ap.add_argument("--rss-child", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        rss_child(args.rss_child[0], int(args.rss_child[1]), args.quick, args.cpu)
+        return
+    torch.manual_seed(0)
+    s = setting(args)
+    print(f"perf on {s.device} ({s.backbone} @ {s.img_size} px, batch {s.batch}, {torch.get_num_threads()} threads)")
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "device": s.device.type,
+        "quick": args.quick,
+        "backbone": s.backbone,
+        "img_size": s.img_size,
+        "batch": s.batch,
+        "images": s.images,
+        "repeats": s.repeats,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "environment": environment_info(),
+    }
+    result["client_step"] = client_steps(s)
+    result["server_step"] = server_steps(s, args.quick)
+    result["peak_rss"] = peak_rss(args.quick, args.cpu)
+    result["query_cache"] = query_cache(s)
+    result["seconds"] = time.perf_counter() - t0
+    print(tables(result))
+    default = (
+        "benchmarks/results/perf" + ("_quick" if args.quick else "") + ("_cuda" if s.device.type == "cuda" else "")
+    )
+    out = Path(args.out or default + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"written to {out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

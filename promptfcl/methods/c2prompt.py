@@ -1,0 +1,430 @@
+"""C2Prompt: Class-aware Client Knowledge Interaction for Federated Continual Learning (arXiv 2509.19674).
+
+No official code exists; this is built from the paper summary (`../shared/papers/000_…`), the framework figure and
+a third-party note, on Powder's benchmark and Fed-CODAP base (`../shared/methods.md` §2). Every equation and every
+choice where the sources are silent is listed here and in `docs/methods/c2prompt.md`.
+
+Model: CODA-P discriminative prompts (`prompts.codap.CodaPool`; N = 8 components of length 10 per stage in layers
+0–4, α_m = cos(q(x) ⊙ A_m, K_m) with q(x) the unprompted frozen CLS, the stage's block trainable and earlier
+blocks frozen) + a linear head over the per-(client, task) slots. Per stage t, for every participant k:
+
+Round 0 (`lcdc`, §4.2 Eq. 1–4):
+1. Client: per real class i of its current task, (n_{i,k}, μ_{i,k}, σ²_{i,k}) of q(x) on its data.
+2. Server: moment matching of the client mixture, μ^g_i = Σ_k p_{k,i} μ_{i,k}, σ^g_i² = Σ_k p_{k,i}(μ²_{i,k} +
+   σ²_{i,k}) − μ^g_i², p_{k,i} = n_{i,k}/Σ_k n_{i,k} (`statistics.pooled`: the same identity with unbiased
+   variances, i.e. exactly the pooled data's statistics); each client receives its classes' (μ^g, σ^g²).
+3. Client: fresh compensation prompts (one per class, 3 input tokens after the patches) trained to minimise the
+   diagonal-Gaussian NLL of the compensated feature (`training.compensation`), then frozen (client state).
+Rounds 1..N_r (§4.3): CE over the task's own slots (+ β·L_kd, below) with the label's frozen compensation prompt
+appended to each sample with probability p = 0.5; the client accumulates H_k[l, m, c] = Σ_{x of real class c}
+α^{(l)}_m(x) over the stage's N components of every prompted layer l. No compensation prompt at test time.
+Server CPA (§4.4 Eq. 10): per layer, stack the K·N stage components P and histograms H of all participants,
+W = row-softmax(H Hᵀ / τ), P* = W P; client k receives its own N rows of P* (a client-specific downlink); keys
+and attention vectors are mixed with the same W (our inference). Head rows are per-(client, task) slots, each
+taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model.
+
+Choices where the sources are silent (switch → default):
+- `lcdc_round`: "shared" (round 0 = statistics + LCDC, then discriminative training in the same round) | "extra"
+  (round 0 only statistics + LCDC) → shared (methods.md's reading: the N_r = 3 rounds of Powder's stage).
+- Statistics are keyed by *real* class (the benchmark gives every (client, task) its own slots, so only real
+  classes are shared across clients); histogram columns are real classes for the same reason.
+- Compensation prompts are re-drawn and re-trained at round 0 of every stage (they are P^c_{t,k}, per stage);
+  `lcdc_epochs` 1, Adam `lcdc_lr` 0.01, variance floor ε = 1e-4, init N(0, 0.02²).
+- p is drawn per sample (`compensation_prob` 0.5); the compensated and plain samples run as two sub-batches.
+- H is accumulated over the round's local training and uploaded every round; per layer (each layer has its own
+  keys and attention vectors, hence its own α); `histogram_norm` "centered_l2" (each component's class profile
+  minus its client's mean profile, L2-normalised: W compares relative class affinities and a component is never
+  averaged with its client's siblings just because they see the same class counts) | "l2" | "l1" (methods.md's
+  guess) | "none"; τ = `cpa_temperature` 0.2 (studied in the paper, value not given).
+- L_kd (`kd_weight` β, default 0: the CODA-P base specifies no distillation and Powder's β is not given): LwF-style
+  KL (temperature `kd_temperature`) between the current and the received model's logits over the slots of the
+  client's earlier tasks.
+- The global model (for `eval.model: global`) is the sample-weighted mean of the clients' prompts.
+Ablations: `lcdc: false` (no statistics round, no compensation), `cpa: false` (FedAvg of prompts, keys and
+attention vectors = Fed-CODAP); both off equals `fedcodap` with the same settings.
+`codap_direct` is the single-task "direct" reference for FWT: every (client, task) trains its own fresh CODA-P
+prompt (pool task 0) and head on its own data for the rounds it is scheduled, no federation.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from promptfcl.federation.aggregation import class_affinity_weights, mix_rows, weighted_mean
+from promptfcl.federation.message import Message, Record
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, set_task
+from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
+from promptfcl.methods.registry import register_method
+from promptfcl.model import PromptedClassifier
+from promptfcl.prompts import CodaPool
+from promptfcl.prompts.compensation import CompensationPrompts
+from promptfcl.scenario.label_space import masked_logits
+from promptfcl.seeding import torch_generator
+from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
+from promptfcl.training.compensation import train_compensation
+from promptfcl.training.local import LossFn
+
+POOL_TENSORS = ("prompt.prompts", "prompt.keys", "prompt.attention")
+
+
+class StageCodaParams(PoolTrainingParams):
+    """CODA-P grown by `components_per_stage` per stage (C2Prompt: N = 8, length 10, layers 0–4; Adam lr 0.01)."""
+
+    components_per_stage: int = Field(8, gt=0)
+    length: int = Field(10, gt=0)
+    layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
+    ortho_mu: float = Field(0.0, ge=0)
+    lr: float = Field(0.01, gt=0, description="C2Prompt note: Adam 0.01 (Powder's scripts: 0.005)")
+
+
+class C2PromptParams(StageCodaParams):
+    """LCDC, CPA and their ablation switches (choices the sources leave open are documented in the module)."""
+
+    lcdc: bool = True
+    cpa: bool = True
+    lcdc_round: Literal["shared", "extra"] = "shared"
+    compensation_length: int = Field(3, gt=0)
+    compensation_prob: float = Field(0.5, ge=0, le=1)
+    lcdc_epochs: int = Field(1, gt=0)
+    lcdc_lr: float = Field(0.01, gt=0)
+    variance_eps: float = Field(1e-4, gt=0)
+    lcdc_diagnostic_samples: int | None = Field(
+        64, ge=0, description="samples on which the NLL before/after LCDC is logged (None: all, 0: none)"
+    )
+    cpa_temperature: float = Field(0.2, gt=0)
+    histogram_norm: Literal["centered_l2", "l2", "l1", "none"] = "centered_l2"
+    kd_weight: float = Field(0.0, ge=0)
+    kd_temperature: float = Field(2.0, gt=0)
+
+
+def build_model(env: MethodEnv, p: StageCodaParams) -> PromptedClassifier:
+    n = env.num_stages
+    pool = CodaPool(env.backbone.embed_dim, n, p.layers, p.components_per_stage * n, p.length, p.ortho_mu)
+    return pooled_model(env, p, pool)
+
+
+def stage_block(model: PromptedClassifier) -> tuple[int, int]:
+    """[start, end) of the pool rows the current stage trains."""
+    pool: CodaPool = model.prompt  # type: ignore[assignment]
+    return pool.task * pool.per_task, (pool.task + 1) * pool.per_task
+
+
+class C2PromptClient(SupervisedClient):
+    """Statistics of q(x) (round 0), LCDC, discriminative training with compensation and the CPA histogram."""
+
+    message_kinds = ("train", "stats")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._teacher: nn.Module | None = None  # per-message scratch: the received model (when kd_weight > 0)
+        self._hist = torch.zeros(0)  # per-message scratch: the CPA histogram being accumulated
+
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        if message.kind == "stats":
+            return self.statistics(ctx)
+        model = self.model
+        model.set_state({k: message.tensors[k] for k in model.state_dict()})
+        set_task(model, ctx.task)
+        stats: dict[str, float] = {}
+        if "lcdc/mean" in message.tensors:
+            stats.update(self.compensate(message, ctx))
+        if not message.scalars.get("discriminative", True):
+            return Message({}, {"num_samples": 0, "loss": 0.0, **stats}, kind="train_reply")
+        self._teacher = copy.deepcopy(model).eval() if self.params.kd_weight > 0 else None
+        self._hist = torch.zeros(len(model.prompt.layers), model.prompt.per_task, self.env.label_space.num_real_classes)
+        stats.update(self.train(model, ctx, message))
+        reply = self.reply(model, ctx, stats)
+        reply.tensors["cpa/hist"] = self._hist
+        reply.scalars.update({k: v for k, v in stats.items() if k.startswith("lcdc")})
+        return reply
+
+    # ----------------------------------------------------------------------------------------- round 0
+    def statistics(self, ctx: ClientContext) -> Message:
+        """(count, mean, diagonal variance) of q(x) per real class of the current task."""
+        st = class_statistics(self.env.backbone.query, ctx.train_data, self.env.eval_transform, ctx.device, "diag", 2)
+        st.classes = self.env.label_space.logit_to_class()[st.classes]
+        return Message(st.to_tensors(), {"num_samples": len(ctx.train_data)}, kind="stats_reply")
+
+    def compensate(self, message: Message, ctx: ClientContext) -> dict[str, float]:
+        """Fresh compensation prompts for the task's classes, fitted to the global Gaussians, stored frozen."""
+        p, space = self.params, self.env.label_space
+        task = space.tasks[ctx.label_task]
+        first = task.logits[0]
+        real = {int(c): i for i, c in enumerate(message.tensors["lcdc/classes"].tolist())}
+        rows = torch.tensor([real.get(c, -1) for c in task.classes])
+        index_of = torch.full((space.num_logits,), -1, dtype=torch.long)
+        has = rows >= 0
+        index_of[torch.tensor(task.logits)[has]] = torch.arange(len(task.classes))[has]
+        dim = self.env.backbone.embed_dim
+        mean, var = torch.zeros(len(task.classes), dim), torch.ones(len(task.classes), dim)
+        mean[has] = message.tensors["lcdc/mean"][rows[has]].float()
+        var[has] = message.tensors["lcdc/var"][rows[has]].float()
+        gen = torch_generator(ctx.seed, "lcdc")
+        prompts = CompensationPrompts(len(task.classes), p.compensation_length, dim, gen).to(ctx.device)
+        out = train_compensation(
+            self.env.backbone, prompts, ctx.train_data, index_of, mean, var, self.env.eval_transform,
+            p.lcdc_epochs, p.lcdc_lr, p.batch_size, gen, ctx.device, p.variance_eps, p.lcdc_diagnostic_samples,
+        )  # fmt: skip
+        ctx.state.tensors["lcdc/prompts"] = prompts.tokens.detach().cpu()
+        ctx.state.scalars.update(lcdc_stage=ctx.task, lcdc_first_logit=first)
+        return out
+
+    # ------------------------------------------------------------------------------- rounds 1..N_r
+    def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
+        p, space, backbone = self.params, self.env.label_space, self.env.backbone
+        comp = None
+        if p.lcdc and ctx.state.scalars.get("lcdc_stage") == ctx.task and "lcdc/prompts" in ctx.state.tensors:
+            comp = CompensationPrompts(1, 1, 1)
+            comp.tokens = nn.Parameter(ctx.state.tensors["lcdc/prompts"].to(ctx.device), requires_grad=False)
+            first = int(ctx.state.scalars["lcdc_first_logit"])
+        real_of = space.logit_to_class().to(ctx.device)
+        coin = torch_generator(ctx.seed, "compensation")
+        old = [g for g in self.learned_tasks(ctx) if g != ctx.label_task]
+        old_mask = space.mask([j for g in old for j in space.tasks[g].logits]).to(ctx.device) if old else None
+
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q = backbone.query(x)
+            spec = model.prompt(len(x), q)
+            use = torch.zeros(len(x), dtype=torch.bool)
+            if comp is not None and p.compensation_prob > 0:
+                use = torch.rand(len(x), generator=coin) < p.compensation_prob
+            use = use.to(x.device)
+            feats = torch.empty(len(x), backbone.embed_dim, device=x.device)
+            if (~use).any():
+                rows = (~use).nonzero().flatten()
+                feats[rows] = backbone(x[rows], spec.select(rows, len(x)))
+            if use.any():
+                rows = use.nonzero().flatten()
+                extra = comp.spec(y[rows] - first)  # type: ignore[union-attr]
+                feats[rows] = backbone(x[rows], spec.select(rows, len(x)).merge(extra))
+            logits = model.head(feats)
+            total = F.cross_entropy(masked_logits(logits, mask), y) + model.prompt.aux_loss
+            if self._teacher is not None and old_mask is not None:
+                with torch.no_grad():
+                    t_logits = self._teacher(x)
+                T = p.kd_temperature
+                s_log = F.log_softmax(masked_logits(logits, old_mask) / T, dim=1)[:, old_mask]
+                t_prob = F.softmax(masked_logits(t_logits, old_mask) / T, dim=1)[:, old_mask]
+                total = total + p.kd_weight * T * T * F.kl_div(s_log, t_prob, reduction="batchmean")
+            self.accumulate(model, q, real_of[y])
+            return total
+
+        return loss
+
+    @torch.no_grad()
+    def accumulate(self, model: PromptedClassifier, q: torch.Tensor, real: torch.Tensor) -> None:
+        """H[l, m, c] += Σ α^{(l)}_m(x) over the batch's samples of real class c (stage components only)."""
+        pool: CodaPool = model.prompt  # type: ignore[assignment]
+        s, f = stage_block(model)
+        for i in range(len(pool.layers)):
+            alpha = pool.component_weights(q, i)[:, s:f].cpu()
+            self._hist[i].index_add_(1, real.cpu(), alpha.T)
+
+    def learned_tasks(self, ctx: ClientContext) -> list[int]:
+        """Label-space tasks this client has trained, in order (kept in its state)."""
+        learned = list(ctx.state.scalars.get("learned_tasks", []))
+        if ctx.label_task not in learned:
+            learned.append(ctx.label_task)
+            ctx.state.scalars["learned_tasks"] = learned
+        return learned
+
+
+class C2PromptServer(FedAvgServer):
+    """Moment-matched class Gaussians at round 0; CPA (or FedAvg) of the stage's components per client."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}  # client → its pool (created from the global one)
+        self._eval_models: dict[int, PromptedClassifier] = {}
+
+    def begin_task(self, task: int) -> None:
+        super().begin_task(task)  # the global pool draws the stage's block (once)
+        g = self.model.get_state()
+        for state in self.pools.values():  # every client starts the stage's block from the same draw
+            if int(state["prompt.initialized_tasks"]) <= task:
+                for n in (*POOL_TENSORS, "prompt.initialized_tasks"):
+                    state[n] = g[n].clone()
+
+    def client_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Client k's pool (the global one until it first takes part) with the global head."""
+        g = self.model.get_state()
+        if k not in self.pools:
+            self.pools[k] = {n: t.clone() for n, t in g.items() if n.startswith("prompt.")}
+        return {**g, **self.pools[k]}
+
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        p, space = self.params, self.env.label_space
+        self.round_info = info
+        parts = info.participants
+        extra: dict[int, dict[str, torch.Tensor]] = {k: {} for k in parts}
+        metrics: dict[str, float] = {}
+        if p.lcdc and info.round == 0:
+            stats = uploaded_statistics(grid.broadcast(parts, Message(kind="stats")))
+            if stats:
+                glob = pooled(stats)
+                pos = {c: i for i, c in enumerate(glob.classes.tolist())}
+                for k in parts:
+                    mine = [c for c in space.tasks[self.env.label_task(info.task, k)].classes if c in pos]
+                    rows = torch.tensor([pos[c] for c in mine], dtype=torch.long)
+                    extra[k] = {
+                        "lcdc/classes": torch.tensor(mine, dtype=torch.long),
+                        "lcdc/mean": glob.means[rows],
+                        "lcdc/var": glob.spread[rows],  # type: ignore[index]
+                    }
+        discriminative = not (p.lcdc and info.round == 0 and p.lcdc_round == "extra")
+        msgs = {
+            k: Message({**self.client_state(k), **extra[k]}, {"discriminative": discriminative}, kind="train")
+            for k in parts
+        }
+        replies = grid.send(msgs)
+        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+        for key in ("lcdc_nll_before", "lcdc_nll_after"):
+            vals = [r.scalars[key] for r in replies.values() if key in r.scalars]
+            if vals:
+                metrics[key] = sum(vals) / len(vals)
+        losses = [r.scalars["loss"] for r in usable.values()]
+        metrics.update(loss=sum(losses) / len(losses) if losses else float("nan"), clients=len(usable))
+        if usable:
+            self.aggregate(usable)
+        return metrics
+
+    def aggregate(self, replies: dict[int, Message]) -> None:
+        p = self.params
+        weights = [r.scalars["num_samples"] for r in replies.values()] if p.weighting == "samples" else None
+        previous = self.model.get_state()
+        head = self.owned_head(previous, replies, weights)
+        names = [n for n in previous if n.startswith("prompt.")]
+        if p.cpa:
+            new_pools = self.class_aware(replies, names)
+        else:
+            mean = weighted_mean([{n: r.tensors[n] for n in names} for r in replies.values()], weights)
+            new_pools = {k: {n: t.clone() for n, t in mean.items()} for k in set(self.pools) | set(replies)}
+        self.pools.update(new_pools)
+        mean_pool = weighted_mean(
+            [self.pools[k] for k in replies], weights
+        )  # the global view: mean of the participants' prompts
+        mean_pool["prompt.initialized_tasks"] = previous["prompt.initialized_tasks"]
+        self.model.set_state({**previous, **mean_pool, **head})
+
+    def class_aware(self, replies: dict[int, Message], names: list[str]) -> dict[int, dict[str, torch.Tensor]]:
+        """Per layer, W = row-softmax(H Hᵀ/τ) over the K·N stage components; client k gets its rows of W·P."""
+        p = self.params
+        clients = list(replies)
+        s, f = stage_block(self.model)
+        n = f - s
+        out = {k: {name: replies[k].tensors[name].clone() for name in names} for k in clients}
+        hist = torch.stack([replies[k].tensors["cpa/hist"] for k in clients])  # (K, layers, N, classes)
+        for layer in range(hist.shape[1]):
+            W = class_affinity_weights(hist[:, layer], p.cpa_temperature, p.histogram_norm)
+            for name in POOL_TENSORS:
+                stacked = torch.cat([replies[k].tensors[name][layer, s:f] for k in clients])
+                mixed = mix_rows(W, stacked)
+                for i, k in enumerate(clients):
+                    out[k][name][layer, s:f] = mixed[i * n : (i + 1) * n]
+        return out
+
+    def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
+        if client not in self._eval_models:
+            with torch.random.fork_rng(devices=[]):  # building a pool draws its first block: keep the run's RNG
+                self._eval_models[client] = self.new_model().eval()
+        m = self._eval_models[client]
+        m.set_state(self.client_state(client))
+        m.prompt.set_task(self.model.prompt.task)
+        return m
+
+    def state(self) -> Record:
+        record = super().state()
+        for k, pool in self.pools.items():
+            record.tensors.update({f"client{k}/{n}": t for n, t in pool.items()})
+        return record
+
+    def load_state(self, state: Record) -> None:
+        own = {n: t for n, t in state.tensors.items() if not n.startswith("client")}
+        super().load_state(Record(own, state.scalars))
+        self.pools = {}
+        for n, t in state.tensors.items():
+            if n.startswith("client"):
+                k, name = n[len("client") :].split("/", 1)
+                self.pools.setdefault(int(k), {})[name] = t
+
+
+class DirectClient(SupervisedClient):
+    """Single-task training: the pool always serves task 0 (one fresh block, no earlier knowledge)."""
+
+    def pool_task(self, ctx: ClientContext) -> int:
+        return 0
+
+
+class DirectServer(FedAvgServer):
+    """No federation: each (client, task) trains its own model, started fresh when the client starts the task."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial = self.model.get_state()
+        self.tasks: dict[int, dict[str, torch.Tensor]] = {}
+        self._eval_models: dict[int, PromptedClassifier] = {}
+
+    def begin_task(self, task: int) -> None:
+        self.model.prompt.set_task(0)
+
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        label = {k: self.env.label_task(info.task, k) for k in info.participants}
+        msgs = {k: Message(self.tasks.get(label[k], self.initial), kind="train") for k in info.participants}
+        replies = grid.send(msgs)
+        names = self.initial.keys()
+        for k, r in replies.items():
+            if r.scalars.get("num_samples", 0) > 0:
+                self.tasks[label[k]] = {n: r.tensors[n] for n in names}
+        losses = [r.scalars["loss"] for r in replies.values() if r.scalars.get("num_samples", 0) > 0]
+        return {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(replies)}
+
+    def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
+        g = -1 if label_task is None else label_task
+        if g not in self._eval_models:
+            with torch.random.fork_rng(devices=[]):
+                self._eval_models[g] = self.new_model().eval()
+        m = self._eval_models[g]
+        m.set_state(self.tasks.get(g, self.initial))
+        m.prompt.set_task(0)
+        return m
+
+    def state(self) -> Record:
+        record = Record({f"init/{n}": t for n, t in self.initial.items()})
+        for g, st in self.tasks.items():
+            record.tensors.update({f"task{g}/{n}": t for n, t in st.items()})
+        return record
+
+    def load_state(self, state: Record) -> None:
+        self.initial = {n[5:]: t for n, t in state.tensors.items() if n.startswith("init/")}
+        self.tasks = {}
+        for n, t in state.tensors.items():
+            if n.startswith("task"):
+                g, name = n[4:].split("/", 1)
+                self.tasks.setdefault(int(g), {})[name] = t
+
+
+register_method(
+    "c2prompt",
+    C2PromptParams,
+    C2PromptServer,
+    C2PromptClient,
+    build_model,
+    "CODA-P prompts with LCDC compensation prompts and class-aware (per-client) prompt aggregation",
+    "C2Prompt (arXiv 2509.19674)",
+)
+register_method(
+    "codap_direct",
+    StageCodaParams,
+    DirectServer,
+    DirectClient,
+    build_model,
+    "direct single-task reference for FWT: a fresh CODA-P prompt + head per (client, task), no federation",
+    "Powder's *_direct runs",
+)

@@ -1,0 +1,198 @@
+"""C2Prompt's defining behaviours: exact moment matching, LCDC lowers the NLL and pulls clients' class means
+together, CPA weights, client-specific downlinks, Fed-CODAP as the both-off ablation, exact resume, FWT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from promptfcl.backbones.vit import build_vit
+from promptfcl.config import BackboneConfig
+from promptfcl.data.base import ImageSplit
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
+from promptfcl.experiment import Experiment
+from promptfcl.federation.aggregation import class_affinity_weights, mix_rows
+from promptfcl.prompts.compensation import CompensationPrompts
+from promptfcl.statistics import pooled, summarize
+from promptfcl.training.compensation import mean_nll, train_compensation
+
+from .conftest import TINY, tiny_config
+
+ASYNC = {
+    "data": {"options": {"num_classes": 12, "train_per_class": 24, "test_per_class": 6}},
+    "scenario": {
+        "kind": "asynchronous",
+        "num_tasks": 2,
+        "num_clients": 3,
+        "classes_per_task": 4,
+        "rounds_per_task": 2,
+        "asynchronous": {"data_slices": 2},
+    },
+}
+POOL = {"layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.01, "length": 2}
+
+
+def c2p(**method) -> dict:
+    return {**ASYNC, "method": {"name": "c2prompt", "components_per_stage": 2, **POOL, **method}}
+
+
+def test_moment_matching_equals_the_pooled_data_statistics() -> None:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 1.0, 0.0), (12, 3.0, 2.0), (4, 0.5, -1.0)]
+    parts = [torch.randn(n, 5, generator=gen, dtype=torch.float64) * s + m for n, s, m in shapes]
+    stats = [summarize(f.float(), torch.zeros(len(f), dtype=torch.long)) for f in parts]
+    glob = pooled(stats)
+    allf = torch.cat(parts)
+    assert torch.allclose(glob.means[0].double(), allf.mean(0), atol=1e-5)
+    assert torch.allclose(glob.spread[0].double(), allf.var(0), atol=1e-4)  # unbiased pooled variance
+    # the paper's form with biased local variances gives the biased pooled variance: the same identity
+    n = torch.tensor([len(f) for f in parts], dtype=torch.float64)
+    p = n / n.sum()
+    mu = torch.stack([f.mean(0) for f in parts])
+    var_b = torch.stack([f.var(0, unbiased=False) for f in parts])
+    paper = (p[:, None] * (mu**2 + var_b)).sum(0) - ((p[:, None] * mu).sum(0)) ** 2
+    assert torch.allclose(paper, allf.var(0, unbiased=False), atol=1e-10)
+
+
+def tiny_backbone():
+    cfg = BackboneConfig(**TINY["backbone"])
+    return build_vit(cfg)
+
+
+def client_split(shift: float, gen: torch.Generator) -> ImageSplit:
+    """One class of images whose brightness depends on the client: the intra-class gap LCDC compensates."""
+    base = torch.rand(1, 3, 32, 32, generator=gen)
+    imgs = (base + 0.15 * torch.rand(24, 3, 32, 32, generator=gen) + shift).clamp(0, 1)
+    return ImageSplit((imgs * 255).to(torch.uint8), torch.zeros(24, dtype=torch.long))
+
+
+def test_lcdc_lowers_the_nll_and_pulls_client_class_means_together() -> None:
+    """Two clients see one class under different brightness; their unprompted class means straddle the global
+    Gaussian. Each client's trained compensation prompt lowers the NLL below the unprompted features' and brings
+    the two clients' class means closer (in the global Gaussian's Mahalanobis metric)."""
+    torch.manual_seed(0)
+    backbone = tiny_backbone()
+    tf = ImageTransform(32, (0.5,) * 3, (0.5,) * 3)
+    base = client_split(0.0, torch.Generator().manual_seed(1))
+    splits = [ImageSplit((base.images.float() * s).clamp(0, 255).to(torch.uint8), base.targets) for s in (0.8, 1.2)]
+    subsets = [LabeledSubset.of(s, torch.arange(24), torch.tensor([0])) for s in splits]
+    with torch.no_grad():
+        feats = [torch.cat([backbone(x) for x, _ in sub.batches(24, tf)]) for sub in subsets]
+    glob = pooled([summarize(f, torch.zeros(24, dtype=torch.long)) for f in feats])
+    var = glob.spread[0] + 1e-4
+    index_of, dev = torch.tensor([0]), torch.device("cpu")
+    after_means = []
+    for k, sub in enumerate(subsets):
+        prompts = CompensationPrompts(1, 3, backbone.embed_dim, torch.Generator().manual_seed(k))
+        out = train_compensation(
+            backbone, prompts, sub, index_of, glob.means, glob.spread, tf, 20, 0.05, 24, torch.Generator(), dev
+        )
+        unprompted = mean_nll(backbone, None, sub, index_of, glob.means, glob.spread, tf, dev, 1e-4)
+        assert out["lcdc_nll_after"] < out["lcdc_nll_before"] and out["lcdc_nll_after"] < unprompted - 3.0
+        with torch.no_grad():
+            idx = torch.zeros(24, dtype=torch.long)
+            after_means.append(torch.cat([backbone(x, prompts.spec(idx)) for x, _ in sub.batches(24, tf)]).mean(0))
+    gap_before = ((feats[0].mean(0) - feats[1].mean(0)).pow(2) / var).sum()
+    gap_after = ((after_means[0] - after_means[1]).pow(2) / var).sum()
+    assert gap_after < 0.7 * gap_before
+
+
+def test_cpa_rows_sum_to_one_and_weight_agreeing_clients_more() -> None:
+    # 3 clients x 2 components over 4 classes: client 1's profiles agree with client 0's, client 2's are reversed
+    h0 = torch.tensor([[5.0, 1.0, 0.0, 0.0], [1.0, 5.0, 0.0, 0.0]])
+    hist = torch.stack([h0, h0 + 0.1 * torch.rand(2, 4), h0.flip(0)])
+    for norm in ("centered_l2", "l2", "l1", "none"):
+        W = class_affinity_weights(hist if norm == "centered_l2" else hist.reshape(6, 4), 0.2, norm)
+        assert W.shape == (6, 6) and torch.allclose(W.sum(1), torch.ones(6, dtype=W.dtype))
+        assert (W >= 0).all()
+    W = class_affinity_weights(hist, 0.2, "centered_l2")
+    assert W[0, 2] > 10 * W[0, 4]  # component 0 of client 0: its counterpart at client 1 ≫ the reversed client 2
+    assert W[0, 5] > 10 * W[0, 4]  # client 2's component with the agreeing profile is the one that counts
+    rows = torch.randn(6, 3, 4)
+    mixed = mix_rows(W, rows)
+    assert torch.allclose(mixed[0], (W[0, :, None, None].float() * rows).sum(0), atol=1e-6)
+
+
+def test_c2prompt_run_sends_each_client_its_own_prompts_and_lcdc_fits(tmp_path: Path) -> None:
+    exp = Experiment(tiny_config(**c2p()), tmp_path / "c2p", show_progress=False)
+    m = exp.run()
+    s = exp.server
+    block = slice(2, 4)  # stage 1's components
+    pools = [s.pools[k]["prompt.prompts"][:, block] for k in range(3)]
+    assert not torch.allclose(pools[0], pools[1]) and not torch.allclose(pools[1], pools[2])
+    rounds = [json.loads(x) for x in (tmp_path / "c2p" / "rounds.jsonl").read_text().splitlines()]
+    stage_starts = [r for r in rounds if r["round"] == 0]
+    assert len(stage_starts) == 2 and all(r["lcdc_nll_after"] < r["lcdc_nll_before"] for r in stage_starts)
+    assert all("lcdc_nll_after" not in r for r in rounds if r["round"] > 0)
+    assert stage_starts[0]["messages"] == 6  # statistics exchange + train, 3 clients
+    ev = m["evaluations"]
+    assert {(r["stage"], r["label_task"]) for r in ev if r["stage_end"]} == {
+        (st, g) for st in range(2) for g in exp.scenario.trained_label_tasks(st)
+    }
+    assert 0 <= m["summary"]["acc"] <= 100 and m["regime"] == "task_aware_slots"
+    for f in ("scenario_timeline.png", "accuracy_matrix.png", "accuracy_matrix.csv", "report.md"):
+        assert (tmp_path / "c2p" / f).is_file()
+
+
+@pytest.mark.slow
+def test_both_ablations_off_is_fed_codap(tmp_path: Path) -> None:
+    a = Experiment(
+        tiny_config(**ASYNC, method={"name": "fedcodap", "pool_size": 4, **POOL}), tmp_path / "a", show_progress=False
+    ).run()
+    b = Experiment(tiny_config(**c2p(lcdc=False, cpa=False)), tmp_path / "b", show_progress=False).run()
+    assert a["evaluations"] == b["evaluations"]
+    assert a["communication"]["bytes_up"] < b["communication"]["bytes_up"]  # + the histograms
+
+
+def test_resume_mid_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_config(**c2p())
+    ref = Experiment(cfg, tmp_path / "ref", show_progress=False).run()
+    original = Experiment._run_round
+    calls = {"n": 0}
+
+    def crash_after_three(self, task, rnd):  # noqa: ANN001, ANN202
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return original(self, task, rnd)
+
+    monkeypatch.setattr(Experiment, "_run_round", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg, tmp_path / "cut", show_progress=False).run()
+    monkeypatch.setattr(Experiment, "_run_round", original)
+    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    assert resumed["evaluations"] == ref["evaluations"] and resumed["summary"] == ref["summary"]
+
+
+def test_direct_reference_gives_forward_transfer(tmp_path: Path) -> None:
+    direct_cfg = tiny_config(**{**ASYNC, "method": {"name": "codap_direct", "components_per_stage": 2, **POOL}})
+    d = Experiment(direct_cfg, tmp_path / "direct", show_progress=False).run()
+    # every (client, task) has its own model: the first-stage accuracies never change afterwards
+    first = {r["label_task"]: r["accuracy"] for r in d["evaluations"] if r["stage"] == 0}
+    later = {r["label_task"]: r["accuracy"] for r in d["evaluations"] if r["stage"] == 1}
+    sched = Experiment(direct_cfg, tmp_path / "x", show_progress=False)
+    sched.setup(False)
+    done = set(sched.scenario.finished_label_tasks(0))
+    assert all(later[g] == first[g] for g in done)
+    cfg = tiny_config(**c2p(), eval={"direct_reference": str(tmp_path / "direct")})
+    m = Experiment(cfg, tmp_path / "c2p", show_progress=False).run()
+    acc = {(r["stage"], r["label_task"]): r["accuracy"] for r in m["evaluations"]}
+    ref = {(r["stage"], r["label_task"]): r["accuracy"] for r in d["evaluations"]}
+    per_stage = []
+    for st in range(2):
+        fin = sched.scenario.finished_label_tasks(st)
+        per_stage.append(sum(acc[st, g] - ref[st, g] for g in fin) / len(fin))
+    assert m["summary"]["fwt"] == pytest.approx(sum(per_stage) / 2)
+    assert m["direct_reference"] == str(tmp_path / "direct")
+    # the same numbers post hoc from the two run directories
+    from promptfcl.cli import main
+
+    plain = Experiment(tiny_config(**c2p()), tmp_path / "plain", show_progress=False).run()
+    assert plain["summary"]["fwt"] != plain["summary"]["fwt"]  # NaN: no reference given
+    assert main(["transfer", str(tmp_path / "plain"), "--direct", str(tmp_path / "direct")]) == 0
+    updated = json.loads((tmp_path / "plain" / "metrics.json").read_text())
+    assert updated["summary"]["fwt"] == pytest.approx(m["summary"]["fwt"])
