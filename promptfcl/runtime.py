@@ -60,7 +60,7 @@ def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
 def check_config(cfg: ExperimentConfig) -> None:
     """Cheap checks that need the registries and the file system; run before anything is decoded."""
     problems = []
-    for check in (resolve_method, _check_data, _check_backbone, _check_eval):
+    for check in (resolve_method, _check_data, _check_backbone, _check_eval, _check_engine):
         try:
             check(cfg)
         except ConfigError as e:
@@ -98,6 +98,22 @@ def _check_eval(cfg: ExperimentConfig) -> None:
             f"eval.direct_reference: {e.direct_reference} holds no finished run (no metrics.json); run the direct "
             "reference first (same config with --set method.name=codap_direct) or drop the key"
         )
+
+
+def _check_engine(cfg: ExperimentConfig) -> None:
+    """The fault plan and the quorum must fit the scenario."""
+    sc, problems = cfg.scenario, []
+    clients = sc.num_clients * sc.rounds_per_task if sc.partition.kind == "hepco" else sc.num_clients
+    for i, f in enumerate(cfg.engine.faults):
+        key = f"engine.faults.{i}"
+        if f.client is not None and f.client >= clients:
+            problems.append(f"{key}.client: client {f.client} does not exist; use an id below {clients}")
+        if f.tasks and max(f.tasks) >= sc.num_tasks:
+            problems.append(f"{key}.tasks: the scenario has tasks 0..{sc.num_tasks - 1}; remove {max(f.tasks)}")
+        if f.rounds and max(f.rounds) >= sc.rounds_per_task:
+            problems.append(f"{key}.rounds: a task has rounds 0..{sc.rounds_per_task - 1}; remove {max(f.rounds)}")
+    if problems:
+        raise ConfigError("invalid engine section:\n  " + "\n  ".join(problems))
 
 
 def _check_backbone(cfg: ExperimentConfig) -> None:
