@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from promptfcl.checkpoint import Checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.regimes import build_regime
@@ -103,6 +103,9 @@ class Experiment:
         }
         self.regime.init_state(progress_state)
         start_task, start_round = 0, 0
+        if resume and not has_checkpoint(self.run_dir):
+            self.console.print("no checkpoint yet (the run stopped in its first round): starting from the beginning")
+            resume = False
         if resume:
             ckpt = load_checkpoint(self.run_dir)
             if ckpt.note:
@@ -161,12 +164,12 @@ class Experiment:
             entry.update(self.regime.evaluate(self.server, task, rnd, last, self.state))
             timing["eval_seconds"] += time.perf_counter() - t1
         self.state["rounds"].append(clean_json(entry))
-        write_rounds(self.run_dir, self.state["rounds"])
         nxt = (task + 1, 0) if last else (task, rnd + 1)
         with self.stop.deferred():  # a signal while the checkpoint is written waits until it is on disk
             save_checkpoint(
                 self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
             )
+        write_rounds(self.run_dir, self.state["rounds"])  # after the checkpoint: the log never runs ahead of it
         self.progress.round_done()
 
     def _attempt_round(self, info: RoundInfo) -> dict[str, float]:

@@ -22,7 +22,7 @@ from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, 
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
 from promptfcl.scenario.partition import PartitionError
-from promptfcl.scenario.scenario import Scenario, build_scenario, task_class_counts
+from promptfcl.scenario.scenario import Scenario, build_scenario, class_order, task_class_counts
 from promptfcl.seeding import numpy_rng
 
 _BACKBONES: dict[str, Any] = {}
@@ -81,9 +81,15 @@ def _check_data(cfg: ExperimentConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"data.options: {e}") from None
     try:
-        task_class_counts(cfg.scenario, n)
+        counts = task_class_counts(cfg.scenario, n)
+        order = class_order(cfg.scenario, n, cfg.seed)
     except PartitionError as e:
         raise ConfigError(f"scenario: {e}") from None
+    if len(order) < sum(counts):
+        raise ConfigError(
+            f"scenario.class_order lists {len(order)} classes but the tasks need {sum(counts)}; list more classes "
+            "or lower scenario.num_tasks / scenario.classes_per_task"
+        )
 
 
 def _check_eval(cfg: ExperimentConfig) -> None:

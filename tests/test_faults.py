@@ -21,7 +21,13 @@ from promptfcl.federation.validation import ReplySchema, TensorSpec
 from .conftest import tiny_raw
 
 KINDS = ["raise", "slow", "nonfinite", "bad_schema", "no_reply"]
-RECORDED = {"raise": "error", "slow": "timeout", "nonfinite": "nonfinite", "bad_schema": "schema", "no_reply": "no_reply"}
+RECORDED = {
+    "raise": "error",
+    "slow": "timeout",
+    "nonfinite": "nonfinite",
+    "bad_schema": "schema",
+    "no_reply": "no_reply",
+}
 METHODS: dict[str, dict[str, Any]] = {
     "hgp": {"name": "hgp", "length": 4, "layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.01},
     "hepco": {
