@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics.class_stats import ClassStatistics, Covariance
@@ -44,7 +44,9 @@ class PrivacyParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     epsilon: float | None = Field(None, gt=0, description="ε of each client's upload; null: no noise")
     delta: float = Field(1e-5, gt=0, lt=1, description="δ of the (ε, δ) guarantee")
-    clip: float = Field(1.0, gt=0, description="L2 bound on each feature vector before statistics are taken")
+    clip: float | None = Field(
+        None, gt=0, description="L2 bound C on each feature vector (required with epsilon; noise on means ∝ C/n)"
+    )
     releases: int = Field(
         1, ge=1, description="uploads of the same data (ε, δ) covers; rounds_per_task gives a per-task guarantee"
     )
@@ -52,19 +54,30 @@ class PrivacyParams(BaseModel):
         "derived", description="derived: reproducible from the run seed (simulation only); os: secret OS randomness"
     )
 
+    @model_validator(mode="after")
+    def _clip_with_epsilon(self) -> PrivacyParams:
+        if self.epsilon is not None and self.clip is None:
+            raise ValueError(
+                "set privacy.clip with privacy.epsilon: an L2 bound just above typical feature norms (LayerNorm "
+                "features have norm ≈ √d, e.g. 14 for d = 192); features are scaled down to it"
+            )
+        return self
+
     @property
     def enabled(self) -> bool:
         return self.epsilon is not None
 
 
 def _phi(x: float) -> float:
-    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
 def gaussian_delta(sigma: float, epsilon: float, sensitivity: float = 1.0) -> float:
     """The exact δ(ε) of the Gaussian mechanism with noise σ at L2 sensitivity Δ (Balle & Wang 2018, Thm. 8)."""
     a, b = sensitivity / (2 * sigma), epsilon * sigma / sensitivity
-    return _phi(a - b) - math.exp(epsilon) * _phi(-a - b)
+    tail = _phi(-a - b)
+    second = 0.0 if tail == 0.0 else math.exp(min(epsilon + math.log(tail), 700.0))  # e^ε·Φ(−a−b), no overflow
+    return _phi(a - b) - second
 
 
 def gaussian_sigma(epsilon: float, delta: float, sensitivity: float = 1.0) -> float:
@@ -116,7 +129,7 @@ def private_class_statistics(
     gen: torch.Generator,
 ) -> ClassStatistics:
     """(ε, δ)-DP per-class count, mean and spread of `feats` for the fixed set `classes` (see module docs)."""
-    C = p.clip
+    C = float(p.clip or 0.0)
     f = clip_rows(feats.double(), C)
     d = f.shape[1]
     cls = torch.as_tensor(list(classes), dtype=torch.long)
