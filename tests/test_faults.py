@@ -210,3 +210,50 @@ def test_norm_screen_keeps_the_global_model_when_every_update_is_refused(tmp_pat
     fresh.setup(resume=False)
     for k, v in fresh.server.model.get_state().items():
         assert torch.equal(v, exp.server.model.get_state()[k]), k
+
+
+def test_flower_grid_shares_the_validation_and_carries_injected_faults(monkeypatch) -> None:
+    """The Flower engine: node errors and silence are recorded, replies go through the same validation, and a
+    client-side fault travels inside the message to the node (where `run_client` applies it)."""
+    pytest.importorskip("flwr")
+    from types import SimpleNamespace
+
+    from promptfcl.federation.faults import FAULT_KEY, pop_fault, run_with_fault
+    from promptfcl.federation.protocol import GridPolicy, RoundInfo
+    from promptfcl.flower import grid as fg
+    from promptfcl.flower.records import from_record_dict, to_record_dict
+
+    monkeypatch.setattr(fg, "FlowerMessage", lambda **kw: SimpleNamespace(**kw))  # no Flower run context needed
+    sent: dict[int, Message] = {}
+
+    class FakeFlowerGrid:
+        def send_and_receive(self, msgs: list, timeout: float | None) -> list:
+            out = []
+            for m in msgs:
+                cid = m.dst_node_id - 10
+                msg = sent[cid] = from_record_dict(m.content)
+                meta = SimpleNamespace(src_node_id=m.dst_node_id)
+                w = torch.full((2,), float("nan") if cid == 3 else 1.0)
+                try:  # what the node's ClientApp does: run_client applies the fault the message carries
+                    reply = run_with_fault(pop_fault(msg.copy()), lambda w=w: Message({"w": w}, {"n": 1}, kind="r"))
+                    if cid == 1:
+                        raise RuntimeError("node crashed")
+                except Exception as e:  # noqa: BLE001 - Flower turns a ClientApp exception into an error reply
+                    err = SimpleNamespace(reason=str(e))
+                    out.append(SimpleNamespace(metadata=meta, has_error=lambda: True, error=err))
+                    continue
+                if cid != 2:  # client 2 stays silent
+                    content = to_record_dict(reply)
+                    out.append(SimpleNamespace(metadata=meta, has_error=lambda: False, content=content))
+            return out
+
+    grid = fg.FlowerGrid(FakeFlowerGrid(), {c: 10 + c for c in range(5)}, timeout=5.0)  # type: ignore[arg-type]
+    cfg = build_config(fault_raw("hgp", faults=[{"kind": "raise", "client": 4}]))
+    grid.configure(GridPolicy(faults=FaultPlan(cfg.engine.faults)))
+    grid.start_round(RoundInfo(0, 0, (0, 1, 2, 3, 4)))
+    replies = grid.send({c: Message({"w": torch.zeros(2)}, kind="train") for c in range(5)})
+    assert set(replies) == {0}
+    kinds = {f.client: f.kind for f in grid.failures}
+    assert kinds == {1: "error", 2: "no_reply", 3: "nonfinite", 4: "error"}
+    assert "injected fault" in next(f.reason for f in grid.failures if f.client == 4)
+    assert sent[4].scalars[FAULT_KEY]["kind"] == "raise" and FAULT_KEY not in sent[0].scalars
