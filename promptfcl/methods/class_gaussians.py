@@ -6,6 +6,11 @@ model's features on the local training data and upload them beside the parameter
 tasks' components as they were at the end of their task, then retrain only the head on features drawn from
 the components of the chosen classes. HGP and CCVR differ only in their settings (one component per client
 and class vs one pooled Gaussian per class; variance inflation; logit normalisation; covariance kind).
+
+Extensions beyond the papers, off by default: `privacy` releases the statistics through the Gaussian mechanism
+(`statistics.privacy`: clipped features, every class of the task, noisy (n, Σf, Σf²), docs/privacy.md);
+`aggregation` (robust rules, norm checks) as for every FedAvg-style method. The server declares the statistics'
+shape (`reply_groups`), so malformed uploads are dropped before pooling.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Choices (switch → default):
 - `proto_lambda`: 1.0 (paper) | 0.1 (fed-mammoth) → paper.
 - `proto_reg`: "sample" (paper: every feature to its class prototype) | "class_mean" (fed-mammoth: each
   class's batch mean to its prototype) → paper.
+Extension, off by default: `privacy` releases the prototypes through the Gaussian mechanism (`statistics.privacy`).
 Prompt and optimiser as `fedavg_prompt` (prefix length 20 in layers 0–4, Adam lr 3e-3, batch 16, 5 epochs).
 """
 

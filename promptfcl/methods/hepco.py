@@ -27,6 +27,8 @@ Choices (switch → default):
 - Ablations of Appendix B: `use_prev_server`, `lambda_kl`, `lambda_mse`, `distill_prompts`, `distill_head`.
 - `augment`: "crop_flip" (paper: random crop + flip; the query cache is then off) | "flip" with
   `query_cache: true` (CPU presets) — the query is recomputed or cached accordingly.
+Extensions, off by default: `privacy` adds Gaussian-mechanism noise to the label counts (Δ = 1,
+`statistics.privacy`); `aggregation` (robust rules, norm checks) as for every FedAvg-style method.
 Deviations: the HePCo partition applies the long-tail β to the data (the code only reports it); our crop is a
 reflection-padded translation, not RandomResizedCrop; clients upload only trainable tensors.
 """
