@@ -143,6 +143,12 @@ class Experiment:
         if last:
             self.server.end_task(task)
         round_seconds = time.perf_counter() - t0
+        for f in self.grid.failures:
+            if not f.injected:  # real failures are worth a line even with the progress display off
+                self.console.print(
+                    f"[yellow]task {task} round {rnd}: client {f.client} dropped ({f.kind}): {f.reason}[/yellow]",
+                    highlight=False,
+                )
         traffic = self.grid.traffic
         timing = self.state["timing"]
         timing["client_seconds"] += traffic.client_seconds

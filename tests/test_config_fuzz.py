@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import numpy as np
 import pytest
@@ -18,8 +18,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from promptfcl import config as C
 from promptfcl.cli import main
 from promptfcl.config import ConfigError, ScenarioConfig, build_config
+from promptfcl.methods import METHODS
+from promptfcl.methods.fedavg import AggregationParams
 from promptfcl.runtime import check_config
 from promptfcl.scenario.partition import PartitionError
 from promptfcl.scenario.scenario import build_class_incremental
@@ -37,6 +40,24 @@ not_a_number = st.one_of(
 )
 not_a_bool = words.filter(lambda w: w.lower() not in {"true", "false", "yes", "no", "on", "off", "y", "n", "t", "f"})
 non_positive = st.integers(-1000, 0)
+
+
+def literal_values(model: type, field: str) -> set[str]:
+    """Every string a Literal field (possibly inside a union) accepts."""
+    out: set[str] = set()
+    todo = [model.model_fields[field].annotation]  # type: ignore[attr-defined]
+    while todo:
+        t = todo.pop()
+        if get_origin(t) is Literal:
+            out |= {a for a in get_args(t) if isinstance(a, str)}
+        else:
+            todo += list(get_args(t))
+    return out
+
+
+def not_one_of(model: type, field: str) -> st.SearchStrategy[str]:
+    allowed = literal_values(model, field)
+    return words.filter(lambda w: w not in allowed)
 negative = st.integers(-1000, -1)
 
 # (dotted path, strategy of values that must be refused)
@@ -49,18 +70,18 @@ FIELDS: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("scenario.num_clients", st.one_of(non_positive, not_a_number)),
     ("scenario.rounds_per_task", non_positive),
     ("scenario.classes_per_task", st.one_of(non_positive, st.lists(non_positive, min_size=1, max_size=3))),
-    ("scenario.class_order", words.filter(lambda w: w not in {"natural", "shuffled"})),
-    ("scenario.partition.kind", words.filter(lambda w: w not in {"dirichlet", "iid", "hepco"})),
+    ("scenario.class_order", not_one_of(C.ScenarioConfig, "class_order")),
+    ("scenario.partition.kind", not_one_of(C.PartitionConfig, "kind")),
     ("scenario.partition.beta", st.one_of(st.floats(-10, 0), not_a_number)),
     ("scenario.partition.min_samples", negative),
     ("scenario.partition.category_ratio", st.one_of(st.floats(1.01, 10), st.floats(-1, 0))),
     ("scenario.partition.split_ratio", st.floats(1.01, 10)),
     ("scenario.participation.fraction", st.one_of(st.floats(1.01, 5), st.floats(-1, 0))),
-    ("scenario.participation.mode", words.filter(lambda w: w not in {"per_task", "per_round"})),
+    ("scenario.participation.mode", not_one_of(C.ParticipationConfig, "mode")),
     ("backbone.img_size", non_positive),
-    ("backbone.interpolation", words.filter(lambda w: w not in {"bicubic", "bilinear"})),
+    ("backbone.interpolation", not_one_of(C.BackboneConfig, "interpolation")),
     ("backbone.mean", st.lists(st.floats(0, 1), min_size=4, max_size=5)),
-    ("engine.device", words.filter(lambda w: w not in {"auto", "cpu", "cuda"})),
+    ("engine.device", not_one_of(C.EngineConfig, "device")),
     ("engine.threads", non_positive),
     ("engine.min_clients", non_positive),
     ("engine.round_retries", negative),
@@ -70,22 +91,25 @@ FIELDS: list[tuple[str, st.SearchStrategy[Any]]] = [
     ("method.lr", st.one_of(st.floats(-1, 0), not_a_number)),
     ("method.local_epochs", non_positive),
     ("method.batch_size", non_positive),
-    ("method.weighting", words.filter(lambda w: w not in {"samples", "uniform"})),
-    ("method.aggregation.rule", words.filter(lambda w: w not in {"mean", "median", "trimmed_mean"})),
+    ("method.weighting", not_one_of(METHODS.get("fedavg_prompt").params, "weighting")),
+    ("method.aggregation.rule", not_one_of(AggregationParams, "rule")),
     ("method.aggregation.trim_fraction", st.floats(0.5, 3)),
 ]
 SECTIONS = ["", "data", "scenario", "scenario.partition", "scenario.participation", "backbone", "engine", "eval"]
 KNOWN = {
-    "": set(tiny_raw()) | {"output_dir", "eval", "engine", "name"},
-    "data": {"name", "root", "download", "train_per_class", "test_per_class", "options"},
-    "scenario": {"kind", "num_tasks", "classes_per_task", "class_order", "num_clients", "rounds_per_task",
-                 "partition", "participation"},
-    "scenario.partition": {"kind", "beta", "min_samples", "max_retries", "category_ratio", "split_ratio", "imbalance"},
-    "scenario.participation": {"fraction", "mode"},
-    "backbone": {"name", "img_size", "pretrained", "weights", "kwargs", "mean", "std", "interpolation", "init_seed"},
-    "engine": {"kind", "device", "threads", "min_clients", "round_retries", "client_timeout", "faults"},
-    "eval": {"every_round", "batch_size"},
-}  # fmt: skip
+    "": set(C.ExperimentConfig.model_fields),
+    "data": set(C.DataConfig.model_fields),
+    "scenario": set(C.ScenarioConfig.model_fields),
+    "scenario.partition": set(C.PartitionConfig.model_fields),
+    "scenario.participation": set(C.ParticipationConfig.model_fields),
+    "backbone": set(C.BackboneConfig.model_fields),
+    "engine": set(C.EngineConfig.model_fields),
+    "eval": set(C.EvalConfig.model_fields),
+}
+
+
+METHOD_NAMES = {name for name, _ in METHODS.items()}  # hypothesis also draws the code's own string constants
+METHOD_KEYS = set(METHODS.get("fedavg_prompt").params.model_fields) | {"name"}
 
 
 def set_path(raw: dict[str, Any], path: str, value: Any) -> None:
@@ -121,9 +145,9 @@ def broken_configs(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     if case == "method":
         kind = draw(st.sampled_from(["name", "key"]))
         if kind == "name":
-            raw["method"]["name"] = draw(words.filter(lambda w: w not in {"hgp", "ccvr", "hepco", "fedvit"}))
+            raw["method"]["name"] = draw(words.filter(lambda w: w not in METHOD_NAMES))
             return raw, "method.name"
-        key = draw(words.filter(lambda w: w not in {"name", "lr", "layers", "length"} and len(w) > 2))
+        key = draw(words.filter(lambda w: w not in METHOD_KEYS and len(w) > 2))
         raw["method"][key] = 1
         return raw, f"method.{key}"
     if case == "cross":
@@ -143,7 +167,7 @@ def broken_configs(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
         return raw, "scenario.class_order"
     kind = draw(st.sampled_from(["kind", "client", "round", "slow", "task"]))
     if kind == "kind":
-        raw["engine"]["faults"] = [{"kind": draw(words.filter(lambda w: w not in {"raise", "slow", "nonfinite"}))}]
+        raw["engine"]["faults"] = [{"kind": draw(not_one_of(C.FaultSpec, "kind"))}]
         return raw, "engine.faults.0.kind"
     if kind == "client":
         raw["engine"]["faults"] = [{"kind": "raise", "client": draw(st.integers(3, 100))}]

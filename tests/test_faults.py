@@ -35,16 +35,18 @@ METHODS: dict[str, dict[str, Any]] = {
         "batch_size": 8, "lr": 0.01, "generator_iterations": 5, "kd_iterations": 5,
     },
 }  # fmt: skip
-# Dropping one of three clients in every round of a task costs a third of the task's data per round; on the tiny
-# synthetic task (3 classes, 20 test images each) the final accuracy must stay within this many points.
-TOLERANCE = 20.0
+# Dropping one of three IID clients in every round of a task costs a third of the task's data per round; on the
+# tiny synthetic task (3 classes, 20 test images each) the final accuracy must stay within this many points of the
+# fault-free run (measured: HGP 0, HePCo 4.2). Under label skew (Dirichlet) a dropped client can take whole
+# classes with it, which is a property of the data, not of fault handling, so these runs split IID.
+TOLERANCE = 10.0
 TIMEOUT = 1.5  # seconds; a tiny client step takes ~0.1 s, the injected slow client sleeps TIMEOUT + 0.25 s
 
 
 def fault_raw(method: str, rounds: int = 2, **engine: Any) -> dict[str, Any]:
     raw = tiny_raw(
         data={"options": {"num_classes": 6, "train_per_class": 40, "test_per_class": 20}},
-        scenario={"num_tasks": 1, "rounds_per_task": rounds},
+        scenario={"num_tasks": 1, "rounds_per_task": rounds, "partition": {"kind": "iid"}},
     )
     raw["method"] = dict(METHODS[method])
     raw["engine"] = {"device": "cpu", **engine}

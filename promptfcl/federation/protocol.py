@@ -141,6 +141,7 @@ class Grid(ABC):
         """Deliver one message per client id; return the validated replies of the clients that answered."""
         stamped: dict[int, Message] = {}
         lost: set[int] = set()
+        self._injected = set()
         plan = self.policy.faults
         for cid, msg in messages.items():
             m = msg.copy()
@@ -180,7 +181,6 @@ class Grid(ABC):
                 self.fail(cid, *problem)
             else:
                 replies[cid] = reply
-        self._injected.clear()
         needed = min(self.policy.min_clients, len(stamped))
         if len(replies) < needed:
             raise RoundFailed(self.round, needed, len(replies), self.failures[n_failed:])
