@@ -115,6 +115,7 @@ class Experiment:
             self.grid.states.update(ckpt.clients)
             progress_state = ckpt.progress
             start_task, start_round = ckpt.next_task, ckpt.next_round
+            write_rounds(self.run_dir, progress_state["rounds"])  # the log as of the checkpoint
         else:
             self._write_run_files()
         self.state = progress_state
@@ -126,7 +127,8 @@ class Experiment:
                 self.server.begin_task(task)  # also when resuming inside the task: begin_task is idempotent
                 for rnd in range(first, R):
                     self._run_round(task, rnd)
-                    self.stop.check(self.run_dir)  # a SIGINT/SIGTERM during the round: stop here, checkpointed
+                    if (task, rnd) != (T - 1, R - 1):  # a SIGINT/SIGTERM during the round: stop here, checkpointed
+                        self.stop.check(self.run_dir)
         return self._finish()
 
     def _on_reply(self, client: int, reply: Message) -> None:

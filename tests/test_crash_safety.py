@@ -169,3 +169,14 @@ def test_a_crash_between_the_two_renames_leaves_the_previous_checkpoint(referenc
     (run_dir / CHECKPOINT_NAME).rename(run_dir / (CHECKPOINT_NAME + ".tmp"))  # new file not yet renamed in
     ckpt = load_checkpoint(run_dir, restore_rng=False)
     assert (ckpt.next_task, ckpt.next_round) == (2, 1) and "missing" in ckpt.note
+
+
+def test_a_crash_between_checkpoint_and_round_log_is_repaired_on_resume(reference, tmp_path: Path) -> None:
+    _, ref_dir, expected = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    (run_dir / "metrics.json").unlink()
+    log = run_dir / "rounds.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))  # the last line never got written
+    assert comparable(resume(run_dir)) == comparable(expected)
+    assert len(log.read_text().splitlines()) == ROUNDS
