@@ -58,6 +58,8 @@ def literal_values(model: type, field: str) -> set[str]:
 def not_one_of(model: type, field: str) -> st.SearchStrategy[str]:
     allowed = literal_values(model, field)
     return words.filter(lambda w: w not in allowed)
+
+
 negative = st.integers(-1000, -1)
 
 # (dotted path, strategy of values that must be refused)
@@ -274,7 +276,7 @@ def test_missing_and_corrupt_dataset_files_are_clear_errors(tmp_path: Path, caps
         yaml.safe_dump({"data": {"name": "cifar100", "root": str(folder), "options": {"verify_md5": False}}})
     )
     assert main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet"]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     assert "truncated" in err and "Traceback" not in err
     (folder / "meta").unlink()
     with pytest.raises(DataMissingError, match="missing: meta"):

@@ -138,7 +138,7 @@ def test_run_stops_with_a_clear_message_when_the_quorum_cannot_be_met(tmp_path: 
 
     cfg.write_text(yaml.safe_dump(raw))
     assert main(["run", str(cfg), "--run-dir", str(tmp_path / "b"), "--quiet"]) == 3
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     assert "run stopped" in err and "Traceback" not in err
 
 
