@@ -18,12 +18,15 @@ err_console = Console(stderr=True)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from promptfcl.checkpoint import CheckpointError
+    from promptfcl.checkpoint import CheckpointError, has_checkpoint
     from promptfcl.experiment import Experiment
 
     if args.resume:
         exp = Experiment.from_run_dir(Path(args.resume), show_progress=not args.quiet, console=console)
-        metrics = exp.run(resume=True)
+        try:
+            metrics = exp.run(resume=True)
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
     else:
         if args.config is None:
             raise ConfigError("give a config file (promptfcl run configs/quickstart.yaml) or --resume RUN_DIR")
@@ -33,7 +36,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.run_dir
             else Path(cfg.output_dir) / (f"{cfg.run_name()}_{time.strftime('%Y%m%d-%H%M%S')}")
         )
-        if (run_dir / "checkpoint.safetensors").exists():
+        if has_checkpoint(run_dir):
             raise ConfigError(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
         if args.engine == "flower-sim":
             import json
@@ -243,11 +246,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from promptfcl.reliability import RunInterrupted, RunStopped
+
     try:
         return args.func(args)
     except ConfigError as e:
         err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
         return 2
+    except RunStopped as e:
+        err_console.print(f"[bold red]run stopped:[/bold red] {e}", highlight=False)
+        return 3
+    except RunInterrupted as e:
+        err_console.print(str(e), highlight=False)
+        return e.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted; the last completed round is checkpointed — continue with --resume RUN_DIR")
         return 130

@@ -175,12 +175,68 @@ class BackboneConfig(StrictModel):
         return os.path.expandvars(v) if v else v
 
 
+FaultKind = Literal["raise", "slow", "nonfinite", "bad_schema", "no_reply"]
+
+
+class FaultSpec(StrictModel):
+    """One entry of a fault plan: which client misbehaves how, in which tasks / rounds (for tests and drills).
+
+    Faults are injected at the engine boundary (`promptfcl.federation.faults`), so methods never change:
+    `raise` the client program raises; `slow` it sleeps `delay` s first (needs `engine.client_timeout`);
+    `nonfinite` its reply carries NaN/inf; `bad_schema` a reply tensor gets the wrong name, shape or dtype;
+    `no_reply` the message is lost and the client never answers.
+    """
+
+    kind: FaultKind
+    client: int | None = Field(
+        None, ge=0, description="client id; default: one participant per round, the one at position round mod n"
+    )
+    tasks: list[int] | None = Field(None, description="tasks in which the fault fires; default: every task")
+    rounds: list[int] | None = Field(None, description="rounds (within a task) in which it fires; default: all")
+    attempts: int | None = Field(
+        1, gt=0, description="fires on the first N attempts of a round (see engine.round_retries); null: on all"
+    )
+    delay: float | None = Field(None, gt=0, description="slow: seconds to sleep; default client_timeout + 0.25")
+    schema_error: Literal["name", "shape", "dtype", "cycle"] = Field(
+        "cycle", description="bad_schema: what is wrong; cycle: name, shape, dtype by round"
+    )
+
+    @field_validator("tasks", "rounds")
+    @classmethod
+    def _non_negative(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(x < 0 for x in v):
+            raise ValueError("task and round indices start at 0; remove the negative entries")
+        return v
+
+
 class EngineConfig(StrictModel):
-    """Where and how clients run."""
+    """Where and how clients run, and what a round tolerates (see ARCHITECTURE.md, Reliability)."""
 
     kind: Literal["inprocess"] = "inprocess"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice")
+    min_clients: int = Field(
+        1, ge=1, description="a round completes if at least this many clients (or all addressed) reply usably"
+    )
+    round_retries: int = Field(0, ge=0, description="re-run a round that missed min_clients this many times")
+    client_timeout: float | None = Field(
+        None, gt=0, description="seconds a client may take before its reply is dropped"
+    )
+    faults: list[FaultSpec] = Field(default_factory=list, description="fault plan injected at the engine boundary")
+
+    @model_validator(mode="after")
+    def _slow_needs_timeout(self) -> EngineConfig:
+        for i, f in enumerate(self.faults):
+            if f.kind == "slow" and self.client_timeout is None:
+                raise ValueError(
+                    f"faults[{i}] is 'slow' but engine.client_timeout is not set; set engine.client_timeout "
+                    "(seconds) so the slow client can exceed it"
+                )
+            if f.kind == "slow" and f.delay is not None and self.client_timeout and f.delay <= self.client_timeout:
+                raise ValueError(
+                    f"faults[{i}].delay ({f.delay} s) must exceed engine.client_timeout ({self.client_timeout} s)"
+                )
+        return self
 
 
 class EvalConfig(StrictModel):

@@ -15,19 +15,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from promptfcl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from promptfcl.checkpoint import Checkpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.regimes import build_regime
+from promptfcl.federation.faults import FaultPlan
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import Grid, RoundInfo
+from promptfcl.federation.protocol import Grid, GridPolicy, RoundFailed, RoundInfo
+from promptfcl.reliability import GracefulStop, RoundSnapshot, RunStopped
 from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks, plot_task_timeline
 from promptfcl.report.progress import RunProgress
 from promptfcl.report.results import clean_json, summary_rows, write_final, write_rounds
 from promptfcl.runtime import Runtime, check_config, resolve_method
 
-__all__ = ["Experiment", "check_config", "resolve_method"]
+__all__ = ["Experiment", "RunStopped", "check_config", "resolve_method"]
 
 
 class Experiment:
@@ -40,8 +42,10 @@ class Experiment:
         show_progress: bool = True,
         console: Console | None = None,
         grid_factory: Callable[[Runtime], Grid] | None = None,
+        handle_signals: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.handle_signals = handle_signals
         self.grid_factory = grid_factory
         self.run_dir = Path(run_dir)
         self.show_progress = show_progress
@@ -68,6 +72,10 @@ class Experiment:
             )
         else:
             self.grid = self.grid_factory(rt)
+        e = self.cfg.engine
+        self.grid.configure(
+            GridPolicy(e.min_clients, e.client_timeout, FaultPlan(e.faults, e.client_timeout)), self.server.reply_schema
+        )
         self.regime = build_regime(
             self.cfg.eval, self.scenario, self.dataset.test, rt.env.eval_transform, self.device, self.grid
         )
@@ -101,23 +109,32 @@ class Experiment:
         }
         self.regime.init_state(progress_state)
         start_task, start_round = 0, 0
+        if resume and not has_checkpoint(self.run_dir):
+            self.console.print("no checkpoint yet (the run stopped in its first round): starting from the beginning")
+            resume = False
         if resume:
             ckpt = load_checkpoint(self.run_dir)
+            if ckpt.note:
+                self.console.print(f"[yellow]warning:[/yellow] {ckpt.note}", highlight=False)
+            (self.run_dir / "stopped.json").unlink(missing_ok=True)
             self.server.load_state(ckpt.server)
             self.grid.states.update(ckpt.clients)
             progress_state = ckpt.progress
             start_task, start_round = ckpt.next_task, ckpt.next_round
+            write_rounds(self.run_dir, progress_state["rounds"])  # the log as of the checkpoint
         else:
             self._write_run_files()
         self.state = progress_state
         T, R = self.scenario.num_tasks, self.scenario.rounds_per_task
-        with RunProgress(T * R, self.show_progress) as self.progress:
+        with RunProgress(T * R, self.show_progress) as self.progress, GracefulStop(self.handle_signals) as self.stop:
             self.progress.skip(start_task * R + start_round)
             for task in range(start_task, T):
                 first = start_round if task == start_task else 0
                 self.server.begin_task(task)  # also when resuming inside the task: begin_task is idempotent
                 for rnd in range(first, R):
                     self._run_round(task, rnd)
+                    if (task, rnd) != (T - 1, R - 1):  # a SIGINT/SIGTERM during the round: stop here, checkpointed
+                        self.stop.check(self.run_dir)
         return self._finish()
 
     def _on_reply(self, client: int, reply: Message) -> None:
@@ -128,14 +145,19 @@ class Experiment:
         T, R = self.scenario.num_tasks, self.scenario.rounds_per_task
         info = RoundInfo(task, rnd, tuple(self.scenario.participants[task][rnd]))
         self.progress.round_started(task, T, rnd, R)
-        self.grid.start_round(info)
         last = rnd == R - 1
         self.grid.stamp = self.regime.round_stamp(last)  # e.g. client_local's `measure_local`
         t0 = time.perf_counter()
-        round_metrics = self.server.run_round(self.grid, info)
+        round_metrics = self._attempt_round(info)
         if last:
             self.server.end_task(task)
         round_seconds = time.perf_counter() - t0
+        for f in self.grid.failures:
+            if not f.injected:  # real failures are worth a line even with the progress display off
+                self.console.print(
+                    f"[yellow]task {task} round {rnd}: client {f.client} dropped ({f.kind}): {f.reason}[/yellow]",
+                    highlight=False,
+                )
         traffic = self.grid.traffic
         timing = self.state["timing"]
         timing["client_seconds"] += traffic.client_seconds
@@ -149,18 +171,56 @@ class Experiment:
             "failures": [f.__dict__ for f in self.grid.failures],
             **round_metrics,
         }
+        if self.grid.attempt:
+            entry["attempts"] = self.grid.attempt + 1
         if last or self.regime.every_round:
             self.progress.note("evaluating")
             t1 = time.perf_counter()
             entry.update(self.regime.evaluate(self.server, task, rnd, last, self.state))
             timing["eval_seconds"] += time.perf_counter() - t1
         self.state["rounds"].append(clean_json(entry))
-        write_rounds(self.run_dir, self.state["rounds"])
         nxt = (task + 1, 0) if last else (task, rnd + 1)
-        save_checkpoint(
-            self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
-        )
+        with self.stop.deferred():  # a signal while the checkpoint is written waits until it is on disk
+            save_checkpoint(
+                self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
+            )
+        write_rounds(self.run_dir, self.state["rounds"])  # after the checkpoint: the log never runs ahead of it
         self.progress.round_done()
+
+    def _attempt_round(self, info: RoundInfo) -> dict[str, float]:
+        """Run the round; if too few clients replied usably, restore the state it started from and retry
+        (`engine.round_retries` times), else stop the run with the reasons — never aggregate a partial round."""
+        retries = self.cfg.engine.round_retries
+        snapshot = RoundSnapshot.take(self.server, self.grid) if retries else None
+        for attempt in range(retries + 1):
+            self.grid.start_round(info, attempt)
+            try:
+                return self.server.run_round(self.grid, info)
+            except RoundFailed as e:
+                if attempt == retries or snapshot is None:
+                    raise self._stopped(e, attempt + 1) from None
+                self.progress.note(f"too few usable replies; retrying ({attempt + 1}/{retries})")
+                snapshot.restore(self.server, self.grid)
+        raise AssertionError("unreachable")
+
+    def _stopped(self, e: RoundFailed, attempts: int) -> RunStopped:
+        (self.run_dir / "stopped.json").write_text(
+            json.dumps(
+                {
+                    "task": e.info.task,
+                    "round": e.info.round,
+                    "attempts": attempts,
+                    "failures": [f.__dict__ for f in self.grid.failures],
+                },
+                indent=2,
+            )  # fmt: skip
+        )
+        return RunStopped(
+            f"{e} — after {attempts} attempt(s). Nothing of this round was aggregated; the checkpoint holds the "
+            f"last completed round. Fix the failing clients and continue with `promptfcl run --resume "
+            f"{self.run_dir}`, or raise engine.round_retries / lower engine.min_clients. "
+            f"Details: {self.run_dir / 'stopped.json'}"
+        )
 
     def _finish(self) -> dict[str, Any]:
         rounds = self.state["rounds"]

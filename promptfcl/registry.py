@@ -41,7 +41,7 @@ class Registry(Generic[T]):
     def unknown_message(self, name: str) -> str:
         close = difflib.get_close_matches(name, self._items, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        return f"unknown {self.kind} {name!r}.{hint} Available: {', '.join(sorted(self._items))}."
+        return f"unknown {self.kind} {name!r}.{hint} Use one of: {', '.join(sorted(self._items))}."
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

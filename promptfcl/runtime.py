@@ -23,7 +23,7 @@ from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
 from promptfcl.scenario.partition import PartitionError
 from promptfcl.scenario.personalized import personalized_class_count
-from promptfcl.scenario.scenario import Scenario, build_scenario, task_class_counts
+from promptfcl.scenario.scenario import Scenario, build_scenario, class_order, task_class_counts
 from promptfcl.seeding import numpy_rng
 
 _BACKBONES: dict[str, Any] = {}
@@ -61,7 +61,7 @@ def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
 def check_config(cfg: ExperimentConfig) -> None:
     """Cheap checks that need the registries and the file system; run before anything is decoded."""
     problems = []
-    for check in (resolve_method, _check_data, _check_backbone, _check_eval):
+    for check in (resolve_method, _check_data, _check_backbone, _check_eval, _check_engine):
         try:
             check(cfg)
         except ConfigError as e:
@@ -82,12 +82,18 @@ def _check_data(cfg: ExperimentConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"data.options: {e}") from None
     try:
-        if cfg.scenario.kind == "personalized":
-            personalized_class_count(cfg.scenario, n)
+        if cfg.scenario.kind == "personalized":  # per-client task sequences: only the classes used count
+            counts = [personalized_class_count(cfg.scenario, n)]
         else:
-            task_class_counts(cfg.scenario, n)
+            counts = task_class_counts(cfg.scenario, n)
+        order = class_order(cfg.scenario, n, cfg.seed)
     except PartitionError as e:
         raise ConfigError(f"scenario: {e}") from None
+    if len(order) < sum(counts):
+        raise ConfigError(
+            f"scenario.class_order lists {len(order)} classes but the tasks need {sum(counts)}; list more classes "
+            "or lower scenario.num_tasks / scenario.classes_per_task"
+        )
 
 
 def _check_eval(cfg: ExperimentConfig) -> None:
@@ -107,6 +113,22 @@ def _check_eval(cfg: ExperimentConfig) -> None:
             f"eval.direct_reference: {e.direct_reference} holds no finished run (no metrics.json); run the direct "
             "reference first (same config with --set method.name=codap_direct) or drop the key"
         )
+
+
+def _check_engine(cfg: ExperimentConfig) -> None:
+    """The fault plan and the quorum must fit the scenario."""
+    sc, problems = cfg.scenario, []
+    clients = sc.num_clients * sc.rounds_per_task if sc.partition.kind == "hepco" else sc.num_clients
+    for i, f in enumerate(cfg.engine.faults):
+        key = f"engine.faults.{i}"
+        if f.client is not None and f.client >= clients:
+            problems.append(f"{key}.client: client {f.client} does not exist; use an id below {clients}")
+        if f.tasks and max(f.tasks) >= sc.num_tasks:
+            problems.append(f"{key}.tasks: the scenario has tasks 0..{sc.num_tasks - 1}; remove {max(f.tasks)}")
+        if f.rounds and max(f.rounds) >= sc.rounds_per_task:
+            problems.append(f"{key}.rounds: a task has rounds 0..{sc.rounds_per_task - 1}; remove {max(f.rounds)}")
+    if problems:
+        raise ConfigError("invalid engine section:\n  " + "\n  ".join(problems))
 
 
 def _check_backbone(cfg: ExperimentConfig) -> None:

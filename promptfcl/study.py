@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from promptfcl.checkpoint import atomic_write_text
+from promptfcl.checkpoint import atomic_write_text, has_checkpoint
 from promptfcl.config import (
     ConfigError,
     ExperimentConfig,
@@ -230,7 +230,7 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
 
 def _command(run: StudyRun) -> list[str]:
     cmd = [sys.executable, "-m", "promptfcl", "run", "--quiet"]
-    if (run.run_dir / "checkpoint.safetensors").is_file():
+    if has_checkpoint(run.run_dir):
         return [*cmd, "--resume", str(run.run_dir)]
     return [*cmd, str(run.config_path), "--run-dir", str(run.run_dir)]
 

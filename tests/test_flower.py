@@ -112,6 +112,8 @@ def test_flower_node_killed_mid_run_is_dropped_and_recorded(tmp_path: Path) -> N
     rounds = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
     assert len(rounds) == 2 and rounds[0]["failures"] == [] and rounds[0]["clients"] == 2
     for r in rounds[1:]:
-        assert r["failures"] == [{"client": 1, "reason": "no reply within 15.0 s"}]
+        assert r["failures"] == [
+            {"client": 1, "reason": "no reply within 15.0 s", "kind": "no_reply", "attempt": 0, "injected": False}
+        ]
         assert r["clients"] == 1  # the round aggregated the reply that came
     assert len(result["accuracy_matrix"]) == 1

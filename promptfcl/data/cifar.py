@@ -63,7 +63,25 @@ def _read_release_file(path: Path, verify_md5: bool, expected: str | None) -> di
                 f"{path} has md5 {got}, not the official {expected}: the file is corrupt or not the official "
                 "release. Replace it, or set data.options.verify_md5: false to read it anyway."
             )
-    return _RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    except pickle.UnpicklingError as e:  # a refused global (tampered file) or a broken stream
+        raise UnreadableReleaseError(
+            f"{path} is not a readable CIFAR python-release file ({e}); it is truncated, corrupt or tampered with "
+            "— download and unpack the official release again"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - truncated or garbled files fail in many ways inside pickle
+        raise DataMissingError(
+            f"{path} is not a readable CIFAR python-release file ({type(e).__name__}: {e}); it is truncated or "
+            "corrupt — download and unpack the release again"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataMissingError(f"{path} does not hold a CIFAR release dictionary; replace it with the official file")
+    return obj
+
+
+class UnreadableReleaseError(DataMissingError, pickle.UnpicklingError):
+    """A release file the restricted unpickler refused (it asks for code the release never contains)."""
 
 
 class CifarOptions(BaseModel):
@@ -97,7 +115,16 @@ def _check(folder: str, what: str) -> Any:
     return check
 
 
+def _fields(path: Path, d: dict[str, Any], *keys: str) -> dict[str, Any]:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise DataMissingError(f"{path} lacks {', '.join(missing)}: not a CIFAR release file; replace it")
+    return d
+
+
 def _to_images(flat: np.ndarray) -> torch.Tensor:
+    if not isinstance(flat, np.ndarray) or flat.size % (3 * 32 * 32):
+        raise DataMissingError("a CIFAR file's image array is not N × 3072 bytes: the file is corrupt; replace it")
     return torch.from_numpy(np.ascontiguousarray(flat.reshape(-1, 3, 32, 32).astype(np.uint8)))
 
 
@@ -115,9 +142,13 @@ def load_cifar100(root: Path, options: CifarOptions, download: bool) -> ImageDat
     base, md5 = _find_folder(root, "cifar-100-python"), _MD5["cifar-100-python"]
     splits = {}
     for split in ("train", "test"):
-        d = _read_release_file(base / split, options.verify_md5, md5[split])
+        d = _fields(
+            base / split, _read_release_file(base / split, options.verify_md5, md5[split]), "data", "fine_labels"
+        )
         splits[split] = ImageSplit(_to_images(d["data"]), torch.tensor(d["fine_labels"]))
-    meta = _read_release_file(base / "meta", options.verify_md5, md5["meta"])
+    meta = _fields(
+        base / "meta", _read_release_file(base / "meta", options.verify_md5, md5["meta"]), "fine_label_names"
+    )
     return ImageDataset("cifar100", splits["train"], splits["test"], list(meta["fine_label_names"]))
 
 

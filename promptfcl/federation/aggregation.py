@@ -1,4 +1,5 @@
-"""Aggregation math shared by every method: (weighted) means of named-tensor dictionaries."""
+"""Aggregation math shared by every method: (weighted) means of named-tensor dictionaries, the robust rules
+(coordinate-wise median, trimmed mean) and update-norm screening that FedAvg-style servers select by config."""
 
 from __future__ import annotations
 
@@ -108,3 +109,90 @@ def mix_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """W · P for stacked rows P (R, …): every output row a convex combination of the inputs (float64 sums)."""
     flat = rows.reshape(rows.shape[0], -1).double()
     return (weights.double() @ flat).reshape(rows.shape).to(rows.dtype)
+
+
+def _stacked(states: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
+    return torch.stack([s[name].double() for s in states])
+
+
+def _same_names(states: Sequence[dict[str, torch.Tensor]]) -> None:
+    if not states:
+        raise ValueError("nothing to aggregate")
+    if any(s.keys() != states[0].keys() for s in states[1:]):
+        raise ValueError("clients returned different tensor names")
+
+
+def coordinate_median(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Coordinate-wise median (Yin et al., ICML 2018); the mean of the two middle values for an even count."""
+    _same_names(states)
+    out = {}
+    k = len(states)
+    for name, ref in states[0].items():
+        v = _stacked(states, name).sort(dim=0).values
+        med = v[k // 2] if k % 2 else (v[k // 2 - 1] + v[k // 2]) / 2
+        out[name] = med.to(ref.dtype)
+    return out
+
+
+def trimmed_mean(states: Sequence[dict[str, torch.Tensor]], fraction: float) -> dict[str, torch.Tensor]:
+    """Coordinate-wise trimmed mean: drop the ⌊fraction·K⌋ largest and smallest values, average the rest."""
+    _same_names(states)
+    if not 0 <= fraction < 0.5:
+        raise ValueError(f"trim fraction must be in [0, 0.5), got {fraction}")
+    k = len(states)
+    cut = min(int(fraction * k), (k - 1) // 2)
+    out = {}
+    for name, ref in states[0].items():
+        v = _stacked(states, name).sort(dim=0).values
+        out[name] = v[cut : k - cut].mean(0).to(ref.dtype)
+    return out
+
+
+def aggregate_states(
+    states: Sequence[dict[str, torch.Tensor]],
+    weights: Sequence[float] | None = None,
+    rule: str = "mean",
+    trim_fraction: float = 0.1,
+) -> dict[str, torch.Tensor]:
+    """The configured aggregation rule: weighted mean (FedAvg), coordinate-wise median or trimmed mean.
+
+    The robust rules are unweighted (each client one vote), as in their papers.
+    """
+    if rule == "mean":
+        return weighted_mean(states, weights)
+    if rule == "median":
+        return coordinate_median(states)
+    if rule == "trimmed_mean":
+        return trimmed_mean(states, trim_fraction)
+    raise ValueError(f"unknown aggregation rule {rule!r} (mean, median, trimmed_mean)")
+
+
+def update_norms(states: Sequence[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> list[float]:
+    """‖state_k − reference‖₂ over every floating tensor the reference holds (the size of each client's update)."""
+    norms = []
+    for s in states:
+        sq = sum(
+            float((s[n].double() - r.double()).pow(2).sum()) for n, r in reference.items() if r.is_floating_point()
+        )
+        norms.append(sq**0.5)
+    return norms
+
+
+def screen_updates(
+    norms: Sequence[float], max_norm: float | None = None, outlier_factor: float | None = None
+) -> list[str | None]:
+    """Per client, why its update is refused (None: accepted): over `max_norm`, or over `outlier_factor` × the
+    median norm of the round (a norm check against scaled or boosted updates)."""
+    reasons: list[str | None] = []
+    med = float(torch.tensor(list(norms), dtype=torch.float64).median()) if norms else 0.0
+    for n in norms:
+        if max_norm is not None and n > max_norm:
+            reasons.append(f"update norm {n:.4g} over the limit {max_norm:g} (method.aggregation.max_update_norm)")
+        elif outlier_factor is not None and len(norms) > 2 and n > outlier_factor * med:
+            reasons.append(
+                f"update norm {n:.4g} over {outlier_factor:g} × the round's median {med:.4g} "
+                "(method.aggregation.norm_outlier_factor)"
+            )
+        else:
+            reasons.append(None)
+    return reasons

@@ -1,19 +1,24 @@
 """The default engine: every selected client runs in this process, one after another, on one device.
 
 It owns client states (one `Record` per client, never shared) and delivers by copy (a client can never alias
-the server's tensors or another client's). Stamping and byte accounting are the `Grid` base class's;
-`run_client` (context, per-(task, round, client) seed, client program) is shared with every other engine.
+the server's tensors or another client's). A client that raises is dropped from the round with its error; each
+client is timed, so the base class can drop one over `engine.client_timeout`. Stamping, byte accounting and
+reply validation are the `Grid` base class's; `run_client` (context, per-(task, round, client) seed, injected
+fault, client program) is shared with every other engine.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from promptfcl.data.base import ImageSplit
 from promptfcl.data.loader import LabeledSubset
+from promptfcl.federation.faults import pop_fault, run_with_fault
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid
 from promptfcl.scenario.scenario import Scenario
@@ -34,6 +39,7 @@ def run_client(
 
     Shared by every engine, so a client step is the same computation wherever it runs.
     """
+    fault = pop_fault(message)  # an injected fault of the plan (tests and drills); the program never sees it
     task, rnd = int(message.scalars["task"]), int(message.scalars["round"])
     client_seed = derive_seed(seed, "client", task, rnd, client_id, message.kind)
     seed_everything(client_seed)
@@ -48,10 +54,17 @@ def run_client(
         client_id, task, rnd, state, data, client_seed, device, label_task,
         space if scenario.personalized else None, local_test if scenario.personalized else None,
     )  # fmt: skip
-    return client.handle(message, ctx)
+    return run_with_fault(fault, lambda: client.handle(message, ctx))
 
 
 ClientHook = Callable[[int, Message], None]
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message (at file:line in function)` of the innermost frame, for the failure log."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"raised {type(e).__name__}: {e}{where}"
 
 
 class InProcessGrid(Grid):
@@ -79,10 +92,17 @@ class InProcessGrid(Grid):
         replies: dict[int, Message] = {}
         for cid in sorted(messages):
             t0 = time.perf_counter()
-            reply = run_client(
-                self.client, messages[cid], cid, self.states[cid], self.scenario, self.train, self.seed, self.device
-            )
-            self.traffic.client_seconds += time.perf_counter() - t0
+            try:
+                reply = run_client(
+                    self.client, messages[cid], cid, self.states[cid], self.scenario, self.train, self.seed, self.device
+                )
+            except Exception as e:  # noqa: BLE001 - any client-side error drops that client, with its reason
+                self.fail(cid, "error", describe_error(e))
+                continue
+            finally:
+                took = time.perf_counter() - t0
+                self.elapsed[cid] = took
+                self.traffic.client_seconds += took
             replies[cid] = reply.copy()
             if self.on_reply is not None:
                 self.on_reply(cid, reply)

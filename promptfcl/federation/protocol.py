@@ -20,7 +20,9 @@ from torch import nn
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
+from promptfcl.federation.faults import FAULT_KEY
 from promptfcl.federation.message import Message, Record
+from promptfcl.federation.validation import ReplySchema, check_against_sent, check_scalars, nonfinite_tensors
 from promptfcl.scenario.label_space import LabelSpace
 
 
@@ -35,10 +37,40 @@ class RoundInfo:
 
 @dataclass
 class ClientFailure:
-    """A client that did not deliver a usable reply this round, and why."""
+    """A client whose reply was not used this round, and why.
+
+    `kind`: "error" (the client raised), "timeout" (over `engine.client_timeout`), "nonfinite" (NaN/inf in
+    the reply), "schema" (wrong tensor names, shapes, dtypes or scalars), "no_reply" (never answered),
+    "rejected" (refused by the server's own defence, e.g. an update-norm check). `injected` marks faults of the
+    configured fault plan; `attempt` counts retries of the round from 0.
+    """
 
     client: int
     reason: str
+    kind: str = "error"
+    attempt: int = 0
+    injected: bool = False
+
+
+class RoundFailed(RuntimeError):
+    """Fewer than `min_clients` clients gave a usable reply: the round cannot complete."""
+
+    def __init__(self, info: RoundInfo, needed: int, usable: int, failures: list[ClientFailure]) -> None:
+        self.info, self.needed, self.usable, self.failures = info, needed, usable, failures
+        lines = "; ".join(f"client {f.client} [{f.kind}] {f.reason}" for f in failures)
+        super().__init__(
+            f"task {info.task} round {info.round}: {usable} usable repl{'y' if usable == 1 else 'ies'}, "
+            f"{needed} needed (engine.min_clients). Failures: {lines or 'none'}"
+        )
+
+
+@dataclass
+class GridPolicy:
+    """What every engine enforces on a round: the quorum, the per-client time limit, the fault plan."""
+
+    min_clients: int = 1
+    client_timeout: float | None = None
+    faults: Any = None  # a federation.faults.FaultPlan, or None
 
 
 @dataclass
@@ -59,42 +91,126 @@ class RoundTraffic:
         }
 
 
+ReplyExpectation = Callable[[Message], ReplySchema | None]
+
+
 class Grid(ABC):
     """What a server program uses to reach clients; engines implement `_deliver`.
 
     The base class does what every engine must do identically: stamp `task` and `round` on each message,
-    count bytes down and up, and keep the round's traffic and failures for the log.
+    inject the fault plan, count bytes down and up, drop every reply that is late, non-finite or does not
+    match the server's `ReplySchema` (each with a recorded `ClientFailure`), and raise `RoundFailed` when
+    fewer than `min_clients` usable replies remain — so a method only ever aggregates validated replies.
+    Engines record transport-level failures (a client that raised or timed out) with `fail` and report
+    per-client wall time in `elapsed`.
     """
 
     def __init__(self) -> None:
         self.round = RoundInfo(0, 0, ())
+        self.attempt = 0
         self.traffic = RoundTraffic()
         self.failures: list[ClientFailure] = []
+        self.policy = GridPolicy()
+        self.expect: ReplyExpectation | None = None  # usually the server program's `reply_schema`
+        self.elapsed: dict[int, float] = {}
+        self._injected: set[int] = set()
         # client states the engine holds and checkpoints (in-process: all; Flower: none, nodes keep their own)
         self.states: dict[int, Record] = {}
         # extra scalars stamped on this round's messages (e.g. the evaluation regime's `measure_local`)
         self.stamp: dict[str, Any] = {}
 
-    def start_round(self, info: RoundInfo) -> None:
-        self.round = info
-        self.traffic = RoundTraffic()
-        self.failures = []
+    def configure(self, policy: GridPolicy, expect: ReplyExpectation | None = None) -> None:
+        """Set the round policy and the function giving the expected reply schema of a sent message."""
+        self.policy, self.expect = policy, expect
+
+    def start_round(self, info: RoundInfo, attempt: int = 0) -> None:
+        """A new round (attempt 0) resets traffic and failures; a retry (attempt > 0) accumulates them."""
+        self.round, self.attempt = info, attempt
+        if attempt == 0:
+            self.traffic = RoundTraffic()
+            self.failures = []
+
+    def fail(self, client: int, kind: str, reason: str) -> None:
+        """Record that `client`'s reply is not used this round (engines and server defences call this)."""
+        injected = client in self._injected
+        self.failures.append(ClientFailure(client, reason, kind, self.attempt, injected))
+
+    def reject(self, client: int, reason: str) -> None:
+        """A server-side defence refused this client's (otherwise valid) reply."""
+        self.fail(client, "rejected", reason)
 
     def send(self, messages: Mapping[int, Message]) -> dict[int, Message]:
-        """Deliver one message per client id; return the replies of the clients that answered."""
-        stamped = {}
+        """Deliver one message per client id; return the validated replies of the clients that answered."""
+        stamped: dict[int, Message] = {}
+        lost: set[int] = set()
+        self._injected = set()
+        plan = self.policy.faults
         for cid, msg in messages.items():
             m = msg.copy()
             m.scalars.setdefault("task", self.round.task)
             m.scalars.setdefault("round", self.round.round)
             for k, v in self.stamp.items():
                 m.scalars.setdefault(k, v)
+            self.traffic.bytes_down += m.nbytes()
+            fault = None
+            if plan:
+                fault = plan.fault_for(self.round.task, self.round.round, self.attempt, cid, self.round.participants)
+            if fault is not None:
+                self._injected.add(cid)
+                if fault.kind == "no_reply":
+                    lost.add(cid)
+                else:
+                    m.scalars[FAULT_KEY] = fault.to_scalar()
             stamped[cid] = m
-        replies = self._deliver(stamped)
         self.traffic.messages += len(stamped)
-        self.traffic.bytes_down += sum(m.nbytes() for m in stamped.values())
-        self.traffic.bytes_up += sum(r.nbytes() for r in replies.values())
+        self.elapsed = {}
+        n_failed = len(self.failures)
+        try:
+            raw = self._deliver({c: m for c, m in stamped.items() if c not in lost})
+        finally:
+            for m in stamped.values():
+                m.scalars.pop(FAULT_KEY, None)
+        failed = {f.client for f in self.failures[n_failed:]}
+        replies: dict[int, Message] = {}
+        for cid in sorted(stamped):
+            if cid in failed:
+                continue
+            if cid not in raw:
+                self.fail(cid, "no_reply", "no reply")
+                continue
+            reply = raw[cid]
+            problem = self._problem(cid, stamped[cid], reply)
+            self.traffic.bytes_up += _safe_nbytes(reply)
+            if problem is not None:
+                self.fail(cid, *problem)
+            else:
+                replies[cid] = reply
+        needed = min(self.policy.min_clients, len(stamped))
+        if len(replies) < needed:
+            raise RoundFailed(self.round, needed, len(replies), self.failures[n_failed:])
         return replies
+
+    def _problem(self, cid: int, sent: Message, reply: Message) -> tuple[str, str] | None:
+        """(kind, reason) why `reply` must not be used, or None."""
+        limit = self.policy.client_timeout
+        took = self.elapsed.get(cid)
+        if limit is not None and took is not None and took > limit:
+            return "timeout", f"took {took:.2f} s, over the {limit:g} s limit (engine.client_timeout)"
+        if not isinstance(reply, Message):
+            return "schema", f"reply is a {type(reply).__name__}, not a Message"
+        bad = check_scalars(reply)
+        if bad is not None:
+            return bad
+        if any(not isinstance(t, torch.Tensor) for t in reply.tensors.values()):
+            return "schema", "reply carries values that are not tensors"
+        schema = self.expect(sent) if self.expect is not None else None
+        problems = schema.check(reply) if schema is not None else check_against_sent(reply, sent.tensors)
+        if problems:
+            return "schema", "; ".join(problems)
+        nonfinite = nonfinite_tensors(reply)
+        if nonfinite:
+            return "nonfinite", "; ".join(nonfinite)
+        return None
 
     def broadcast(self, clients: Iterable[int], message: Message) -> dict[int, Message]:
         """Send the same message to several clients."""
@@ -102,7 +218,19 @@ class Grid(ABC):
 
     @abstractmethod
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        """Run/transport the (already stamped, privately owned) messages; return replies by client id."""
+        """Run/transport the (already stamped, privately owned) messages; return replies by client id.
+
+        A client that raises or times out is left out of the result and recorded with `self.fail`; a client
+        that simply does not answer is left out (the base class records it). Engines that time clients
+        individually put their wall time in `self.elapsed[client]` (checked against `client_timeout`).
+        """
+
+
+def _safe_nbytes(reply: Message) -> int:
+    try:
+        return reply.nbytes()
+    except Exception:  # noqa: BLE001 - a malformed reply still counts its tensor bytes
+        return sum(t.numel() * t.element_size() for t in reply.tensors.values() if isinstance(t, torch.Tensor))
 
 
 @dataclass
@@ -187,6 +315,13 @@ class ServerProgram(_Program, ABC):
 
     def end_task(self, task: int) -> None:
         """Called after the last round of each task (before evaluation)."""
+
+    def reply_schema(self, message: Message) -> ReplySchema | None:
+        """What a reply to `message` must carry (checked by the `Grid` before the server sees it).
+
+        None: only the generic checks (JSON scalars, finite tensors, sent tensors keep shape and dtype).
+        """
+        return None
 
     @abstractmethod
     def global_model(self) -> nn.Module:

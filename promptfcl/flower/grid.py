@@ -9,7 +9,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.serverapp import Grid as FlowerGridAPI
 
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import ClientFailure, Grid
+from promptfcl.federation.protocol import Grid
 from promptfcl.flower.records import flower_message_type, from_record_dict, to_record_dict
 
 HELLO = "query.promptfcl_hello"
@@ -45,7 +45,8 @@ def discover_partitions(grid: FlowerGridAPI, expected: int, wait_seconds: float 
 
 
 class FlowerGrid(Grid):
-    """Delivers our messages as Flower messages; a client that errors or times out is a recorded failure."""
+    """Delivers our messages as Flower messages; a client that errors or times out (the smaller of `timeout` and
+    `engine.client_timeout`) is a recorded failure; validation and the quorum are the `Grid` base class's."""
 
     def __init__(self, grid: FlowerGridAPI, node_of_client: dict[int, int], timeout: float | None = None) -> None:
         super().__init__()
@@ -66,13 +67,18 @@ class FlowerGrid(Grid):
         ]
         t0 = time.perf_counter()
         replies: dict[int, Message] = {}
-        for reply in self.grid.send_and_receive(out, timeout=self.timeout):
+        limits = [t for t in (self.timeout, self.policy.client_timeout) if t is not None]
+        timeout = min(limits) if limits else None
+        for reply in self.grid.send_and_receive(out, timeout=timeout):
             cid = self.client_of_node[reply.metadata.src_node_id]
             if reply.has_error():
-                self.failures.append(ClientFailure(cid, f"client error: {reply.error.reason}"))
+                self.fail(cid, "error", f"client error: {reply.error.reason}")
                 continue
-            replies[cid] = from_record_dict(reply.content)
+            try:
+                replies[cid] = from_record_dict(reply.content)
+            except Exception as e:  # noqa: BLE001 - a reply that does not decode is a schema failure
+                self.fail(cid, "schema", f"reply does not decode: {type(e).__name__}: {e}")
         for cid in sorted(set(messages) - set(replies) - {f.client for f in self.failures}):
-            self.failures.append(ClientFailure(cid, f"no reply within {self.timeout} s"))
+            self.fail(cid, "no_reply", f"no reply within {timeout} s")
         self.traffic.client_seconds += time.perf_counter() - t0
         return replies

@@ -33,7 +33,7 @@ def main(grid: FlowerGridAPI, context: Context) -> None:
         nodes = discover_partitions(grid, rt.scenario.num_clients, wait_seconds=max(60.0, timeout))
         return FlowerGrid(grid, nodes, timeout=timeout)
 
-    exp = Experiment(cfg, Path(str(rc["run-dir"])), show_progress=False, grid_factory=make_grid)
+    exp = Experiment(cfg, Path(str(rc["run-dir"])), show_progress=False, grid_factory=make_grid, handle_signals=False)
     metrics = exp.run(resume=bool(rc.get("resume", False)))
     print(
         json.dumps(

@@ -6,6 +6,11 @@ model's features on the local training data and upload them beside the parameter
 tasks' components as they were at the end of their task, then retrain only the head on features drawn from
 the components of the chosen classes. HGP and CCVR differ only in their settings (one component per client
 and class vs one pooled Gaussian per class; variance inflation; logit normalisation; covariance kind).
+
+Extensions beyond the papers, off by default: `privacy` releases the statistics through the Gaussian mechanism
+(`statistics.privacy`: clipped features, every class of the task, noisy (n, Σf, Σf²), docs/privacy.md);
+`aggregation` (robust rules, norm checks) as for every FedAvg-style method. The server declares the statistics'
+shape (`reply_groups`), so malformed uploads are dropped before pooling.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from pydantic import Field
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
+from promptfcl.federation.validation import TensorSpec
 from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
 from promptfcl.methods.fedavg_prompt import FedAvgPromptParams
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics import GaussianComponents, MixtureSampler, class_statistics, pooled, uploaded_statistics
+from promptfcl.statistics.class_stats import extract_features, statistics_schema
 from promptfcl.statistics.mixture import ClassWeights
+from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_class_statistics
 from promptfcl.training.head_calibration import CalibrationParams, calibrate_head
 
 RebalanceClasses = Literal["all", "current", "old", "none"]
@@ -46,6 +54,7 @@ class ClassGaussianParams(FedAvgPromptParams):
         "all", description="classes sampled when retraining the head: all seen, current task, old tasks, none"
     )
     calibration: CalibrationParams = Field(default_factory=CalibrationParams)
+    privacy: PrivacyParams = Field(default_factory=PrivacyParams, description="Gaussian noise on uploaded statistics")
 
 
 class ClassGaussianClient(SupervisedClient):
@@ -60,9 +69,16 @@ class ClassGaussianClient(SupervisedClient):
     def reply(self, model: torch.nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         msg = super().reply(model, ctx, stats)
         if len(ctx.train_data):
-            st = class_statistics(
-                model.features, ctx.train_data, self.stats_transform(), ctx.device, self.params.covariance, 2
-            )
+            p = self.params
+            if p.privacy.enabled:  # (ε, δ)-DP statistics of every class of the task (statistics.privacy)
+                feats, ys = extract_features(model.features, ctx.train_data, self.stats_transform(), ctx.device)
+                classes = self.env.label_space.tasks[ctx.task].logits
+                gen = noise_generator(p.privacy, ctx.seed)
+                st = private_class_statistics(feats, ys, classes, p.covariance, 2, p.privacy, gen)
+            else:
+                st = class_statistics(
+                    model.features, ctx.train_data, self.stats_transform(), ctx.device, p.covariance, 2
+                )
             msg.tensors.update(st.to_tensors())
         return msg
 
@@ -80,6 +96,10 @@ class ClassGaussianServer(FedAvgServer):
             stats = [pooled(stats)]
         self.components = self.components.replace_task(info.task, stats)
         return self.rebalance(info.task, torch_generator(self.env.seed, "rebalance", info.task, info.round))
+
+    def reply_groups(self) -> list[dict[str, TensorSpec]]:
+        space = self.env.label_space
+        return [statistics_schema(space.num_logits, self.env.backbone.embed_dim, self.params.covariance)]
 
     def rebalance_classes(self, task: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(classes whose Gaussians are sampled, logits that compete in the retraining CE).

@@ -10,12 +10,13 @@ import copy
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
-from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
+from promptfcl.federation.aggregation import aggregate_states, owner_row_mean, screen_updates, update_norms
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
+from promptfcl.federation.validation import ReplySchema, TensorSpec
 from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
 from promptfcl.training.local import (
@@ -36,10 +37,25 @@ def set_task(model: torch.nn.Module, task: int) -> None:
         prompt.set_task(task)
 
 
+class AggregationParams(BaseModel):
+    """Server-side defences where FedAvg-style methods aggregate (all off by default = plain FedAvg)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rule: Literal["mean", "median", "trimmed_mean"] = Field(
+        "mean", description="mean (FedAvg, weighted) | coordinate-wise median | trimmed mean (both unweighted)"
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: fraction cut at each end")
+    max_update_norm: float | None = Field(None, gt=0, description="refuse updates ‖w_k − w‖₂ above this")
+    norm_outlier_factor: float | None = Field(
+        None, gt=1, description="refuse updates whose norm exceeds this × the round's median norm (≥ 3 clients)"
+    )
+
+
 class FedAvgParams(LocalTrainingParams):
-    """Local training plus how the server weights client updates."""
+    """Local training plus how the server weights (and screens) client updates."""
 
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights ∝ samples or equal")
+    aggregation: AggregationParams = Field(default_factory=AggregationParams)
 
 
 class SupervisedClient(ClientProgram):
@@ -136,12 +152,49 @@ class FedAvgServer(ServerProgram):
         replies = grid.broadcast(info.participants, self.downlink(info))
         # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+        usable = self.screen(usable, grid)
         losses = [r.scalars["loss"] for r in usable.values()]
         metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
         if usable:
             self.aggregate(usable)
             metrics.update(self.after_aggregate(usable, info))
         return metrics
+
+    def screen(self, replies: dict[int, Message], grid: Grid) -> dict[int, Message]:
+        """The update-norm defence: refuse (and record on the grid) updates that are too large."""
+        a = self.params.aggregation
+        if not replies or (a.max_update_norm is None and a.norm_outlier_factor is None):
+            return replies
+        ref = self.model.get_state()
+        norms = update_norms([{k: r.tensors[k] for k in ref} for r in replies.values()], ref)
+        kept = {}
+        for (cid, reply), why in zip(
+            replies.items(), screen_updates(norms, a.max_update_norm, a.norm_outlier_factor), strict=True
+        ):
+            if why is None:
+                kept[cid] = reply
+            else:
+                grid.reject(cid, why)
+        return kept
+
+    def reply_schema(self, message: Message) -> ReplySchema | None:
+        """A train reply carries the model tensors that were sent (same shapes and dtypes), the declared extras,
+        and `num_samples` / `loss`; other message kinds get the generic checks."""
+        if message.kind != "train":
+            return None
+        state = self.model.state_dict()
+        required = {k: TensorSpec.like(v) for k, v in state.items() if k in message.tensors}
+        return ReplySchema(
+            {**required, **self.reply_tensors()}, self.reply_groups(), {"num_samples": (int,), "loss": (int, float)}
+        )
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        """Tensors a train reply must carry beside the model's (methods that upload more declare them)."""
+        return {}
+
+    def reply_groups(self) -> list[dict[str, TensorSpec]]:
+        """All-or-none groups of tensors a train reply may carry (e.g. class statistics when it has data)."""
+        return []
 
     def downlink(self, info: RoundInfo) -> Message:
         """What every participant receives this round (default: the global trainable state)."""
@@ -157,7 +210,9 @@ class FedAvgServer(ServerProgram):
             weights = [r.scalars["num_samples"] for r in replies.values()]
         names = self.model.state_dict().keys()  # replies may carry statistics beside the parameters
         previous = self.model.get_state()
-        mean = weighted_mean([{k: r.tensors[k] for k in names} for r in replies.values()], weights)
+        a = self.params.aggregation
+        states = [{k: r.tensors[k] for k in names} for r in replies.values()]
+        mean = aggregate_states(states, weights, a.rule, a.trim_fraction)
         if self.env.schedule is not None:  # per-(client, task) slots: each head row from the clients that own it
             mean.update(self.owned_head(previous, replies, weights))
         self.model.set_state(mean)

@@ -17,6 +17,7 @@ Choices (switch → default):
 - `proto_lambda`: 1.0 (paper) | 0.1 (fed-mammoth) → paper.
 - `proto_reg`: "sample" (paper: every feature to its class prototype) | "class_mean" (fed-mammoth: each
   class's batch mean to its prototype) → paper.
+Extension, off by default: `privacy` releases the prototypes through the Gaussian mechanism (`statistics.privacy`).
 Prompt and optimiser as `fedavg_prompt` (prefix length 20 in layers 0–4, Adam lr 3e-3, batch 16, 5 epochs).
 """
 
@@ -31,11 +32,14 @@ from torch import nn
 
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
+from promptfcl.federation.validation import TensorSpec
 from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
 from promptfcl.methods.fedavg_prompt import FedAvgPromptParams, build_model
 from promptfcl.methods.registry import register_method
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
+from promptfcl.statistics.class_stats import extract_features, statistics_schema
+from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_class_statistics
 from promptfcl.training.local import LossFn
 
 
@@ -45,6 +49,7 @@ class FedProtoParams(FedAvgPromptParams):
     proto_lambda: float = Field(1.0, ge=0, description="weight of the prototype regulariser")
     proto_reg: Literal["sample", "class_mean"] = "sample"
     inference: Literal["prototype", "head"] = "prototype"
+    privacy: PrivacyParams = Field(default_factory=PrivacyParams, description="Gaussian noise on uploaded prototypes")
 
 
 class PrototypeClassifier(nn.Module):
@@ -91,7 +96,13 @@ class FedProtoClient(SupervisedClient):
     def reply(self, model: nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         msg = super().reply(model, ctx, stats)
         if len(ctx.train_data):
-            st = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
+            p = self.params.privacy
+            if p.enabled:  # (ε, δ)-DP prototypes of every class of the task (statistics.privacy)
+                feats, ys = extract_features(model.features, ctx.train_data, self.env.eval_transform, ctx.device)
+                classes = self.env.label_space.tasks[ctx.task].logits
+                st = private_class_statistics(feats, ys, classes, "none", 1, p, noise_generator(p, ctx.seed))
+            else:
+                st = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
             msg.tensors.update(st.to_tensors())
         return msg
 
@@ -104,6 +115,9 @@ class FedProtoServer(FedAvgServer):
         n, d = self.env.label_space.num_logits, self.env.backbone.embed_dim
         self.protos = torch.zeros(n, d)
         self.known = torch.zeros(n, dtype=torch.bool)
+
+    def reply_groups(self) -> list[dict[str, TensorSpec]]:
+        return [statistics_schema(self.env.label_space.num_logits, self.env.backbone.embed_dim, "none")]
 
     def downlink(self, info: RoundInfo) -> Message:
         current = torch.tensor(self.env.label_space.tasks[info.task].logits)

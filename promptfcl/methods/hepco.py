@@ -27,6 +27,8 @@ Choices (switch → default):
 - Ablations of Appendix B: `use_prev_server`, `lambda_kl`, `lambda_mse`, `distill_prompts`, `distill_head`.
 - `augment`: "crop_flip" (paper: random crop + flip; the query cache is then off) | "flip" with
   `query_cache: true` (CPU presets) — the query is recomputed or cached accordingly.
+Extensions, off by default: `privacy` adds Gaussian-mechanism noise to the label counts (Δ = 1,
+`statistics.privacy`); `aggregation` (robust rules, norm checks) as for every FedAvg-style method.
 Deviations: the HePCo partition applies the long-tail β to the data (the code only reports it); our crop is a
 reflection-padded translation, not RandomResizedCrop; clients upload only trainable tensors.
 """
@@ -40,12 +42,14 @@ from torch import nn
 
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
+from promptfcl.federation.validation import TensorSpec
 from promptfcl.methods.fedavg import FedAvgServer, PreviousTaskServer, SupervisedClient
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts.weighted_pool import WeightedPool
 from promptfcl.seeding import seed_everything, torch_generator
+from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_counts
 from promptfcl.training.latent_generator import LatentGenerator, Teacher, sample_labels, train_generator
 
 
@@ -76,6 +80,7 @@ class HePCoParams(WeightedPoolParams):
     use_prev_server: bool = True
     distill_prompts: bool = True
     distill_head: bool = True
+    privacy: PrivacyParams = Field(default_factory=PrivacyParams, description="Gaussian noise on label counts")
 
 
 def build_model(env: MethodEnv, p: WeightedPoolParams) -> PromptedClassifier:
@@ -114,6 +119,9 @@ class LabelCountingClient(SupervisedClient):
     def reply(self, model: nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         msg = super().reply(model, ctx, stats)
         counts = torch.bincount(ctx.train_data.targets, minlength=self.env.label_space.num_logits)
+        p = getattr(self.params, "privacy", None)
+        if p is not None and p.enabled:  # (ε, δ)-DP label counts (statistics.privacy)
+            counts = private_counts(counts, p, noise_generator(p, ctx.seed))
         msg.tensors["label_counts"] = counts
         return msg
 
@@ -128,6 +136,9 @@ class HePCoServer(PreviousTaskServer):
 
     def keeps_previous(self) -> bool:
         return self.params.use_prev_server
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        return {"label_counts": TensorSpec((self.env.label_space.num_logits,), torch.long, 0)}
 
     def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
         counts = torch.stack([r.tensors["label_counts"] for r in replies.values()]).long()

@@ -197,7 +197,8 @@ def task_class_counts(cfg: ScenarioConfig, num_classes: int) -> list[int]:
         counts = list(cpt)
         if len(counts) != cfg.num_tasks:
             raise PartitionError(
-                f"scenario.classes_per_task lists {len(counts)} tasks but num_tasks is {cfg.num_tasks}"
+                f"scenario.classes_per_task lists {len(counts)} tasks but num_tasks is {cfg.num_tasks}; give one "
+                "count per task or set scenario.num_tasks to the list's length"
             )
     if sum(counts) > num_classes:
         raise PartitionError(
@@ -211,7 +212,10 @@ def class_order(cfg: ScenarioConfig, num_classes: int, seed: int) -> list[int]:
     if isinstance(cfg.class_order, list):
         order = list(cfg.class_order)
         if sorted(order) != sorted(set(order)) or any(not 0 <= c < num_classes for c in order):
-            raise PartitionError(f"scenario.class_order must list distinct class ids in [0, {num_classes})")
+            raise PartitionError(
+                f"scenario.class_order must list distinct class ids in [0, {num_classes}); remove duplicates and "
+                "out-of-range ids"
+            )
         return order
     if cfg.class_order == "shuffled":
         return numpy_rng(seed, "class_order").permutation(num_classes).tolist()

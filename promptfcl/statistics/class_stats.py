@@ -18,6 +18,7 @@ import torch
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.federation.message import Record
+from promptfcl.federation.validation import TensorSpec
 
 Covariance = Literal["none", "diag", "full"]
 PREFIX = "stats/"
@@ -57,6 +58,21 @@ class ClassStatistics:
             tensors[f"{PREFIX}means"],
             tensors.get(f"{PREFIX}spread"),
         )
+
+
+def statistics_schema(num_logits: int, dim: int, covariance: Covariance) -> dict[str, TensorSpec]:
+    """What an upload of `ClassStatistics` must look like: C class ids in range, C positive counts, (C, d) means
+    and (C, d) / (C, d, d) spreads — checked by the `Grid` before a server pools anything."""
+    out = {
+        f"{PREFIX}classes": TensorSpec(("C",), torch.long, 0, num_logits - 1),
+        f"{PREFIX}counts": TensorSpec(("C",), torch.long, 1),
+        f"{PREFIX}means": TensorSpec(("C", dim), torch.float32),
+    }
+    if covariance == "diag":
+        out[f"{PREFIX}spread"] = TensorSpec(("C", dim), torch.float32, 0)
+    elif covariance == "full":
+        out[f"{PREFIX}spread"] = TensorSpec(("C", dim, dim), torch.float32)
+    return out
 
 
 def uploaded_statistics(replies: Mapping[int, Record]) -> list[ClassStatistics]:
