@@ -25,6 +25,7 @@ pytest.importorskip("flwr", reason="flwr not installed: pip install 'promptfcl[f
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 from promptfcl.flower.loopback import LoopbackFederation  # noqa: E402
+from promptfcl.flower.simulation import _environ_of  # noqa: E402
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["tls_node_auth", "insecure"])
@@ -88,8 +89,9 @@ def test_flower_simulation_engine_equals_in_process_engine(tmp_path: Path) -> No
     ours = json.loads((tmp_path / "sim" / "metrics.json").read_text())
     ref = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
     assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["communication"] == ref["communication"]
-    leftover = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert str(tmp_path / "sim") not in leftover  # the simulation SuperLink was stopped
+    leftover = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    homes = [_environ_of(line.split()[0]) for line in leftover if "flower-superlink" in line]
+    assert not any(str(tmp_path / "sim") in env for env in homes)  # the simulation SuperLink was stopped
 
 
 def test_flower_node_killed_mid_run_is_dropped_and_recorded(tmp_path: Path) -> None:

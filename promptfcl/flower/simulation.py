@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,28 @@ def _stop_local_superlink(home: Path) -> None:
     for line in out.stdout.splitlines()[1:]:
         pid, _, args = line.strip().partition(" ")
         if "flower-superlink" in args and "--simulation" in args and str(home) in _environ_of(pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(pid), signal.SIGTERM)
+            _terminate(int(pid))
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after `grace` seconds: a simulation SuperLink left
+    running would be reused by the next `flwr run` on this machine (it listens on a fixed local port)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or "State:\tZ" in _status_of(pid):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _status_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _environ_of(pid: str) -> str:
