@@ -110,13 +110,7 @@ def plot_mean_accuracy_curves(curves: Mapping[str, tuple[Sequence[float], Sequen
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.set_title("accuracy after each task (mean over seeds, band ± std)")
-    if n > 6:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    else:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _legend_and_save(fig, ax, n, path)
 
 
 def plot_accuracy_matrices(matrices: Mapping[str, Sequence[Sequence[float]]], path: Path) -> None:
@@ -178,13 +172,7 @@ def plot_accuracy_vs_communication(
     ax.set_ylabel("final average accuracy, FAA (%)")
     ax.grid(alpha=0.3, which="both")
     ax.set_title("accuracy vs communication (mean ± std over seeds)")
-    if n > 6:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    else:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _legend_and_save(fig, ax, n, path)
 
 
 def plot_task_timeline(schedule: Sequence[Sequence[int]], owners: Sequence[Sequence[int]] | None, path: Path) -> None:
@@ -218,6 +206,17 @@ def plot_slot_accuracy(matrix: Sequence[Sequence[float | None]], path: Path, tit
     ax.set_yticks(range(M.shape[0]))
     ax.set_title(title or "task-aware accuracy (%)")
     fig.colorbar(im, ax=ax, label="accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _legend_and_save(fig: plt.Figure, ax: plt.Axes, entries: int, path: Path) -> None:
+    """Legend inside the axes for a few entries, outside on the right for many; then write the PNG."""
+    if entries > 6:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
