@@ -236,9 +236,12 @@ def _command(run: StudyRun) -> list[str]:
 
 
 def execute(runs: list[StudyRun], jobs: int = 1, on_done: Any = None) -> list[tuple[StudyRun, int]]:
-    """Run every unfinished run, `jobs` at a time, each with its share of the CPU threads."""
+    """Run every unfinished run, `jobs` at a time, each with its share of the CPU threads.
+
+    The share is over the runs that can actually run at once: a lone remaining run gets every core.
+    """
     todo = [r for r in runs if not r.finished]
-    threads = max(1, (os.cpu_count() or 1) // max(jobs, 1))
+    threads = max(1, (os.cpu_count() or 1) // max(min(jobs, len(todo)), 1))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
     def one(run: StudyRun) -> tuple[StudyRun, int]:

@@ -129,6 +129,8 @@ def test_c2prompt_run_sends_each_client_its_own_prompts_and_lcdc_fits(tmp_path: 
     assert len(stage_starts) == 2 and all(r["lcdc_nll_after"] < r["lcdc_nll_before"] for r in stage_starts)
     assert all("lcdc_nll_after" not in r for r in rounds if r["round"] > 0)
     assert stage_starts[0]["messages"] == 6  # statistics exchange + train, 3 clients
+    for r in rounds:  # CPA's mixing diagnostics: a component keeps part of itself and mixes with other clients
+        assert 0 < r["cpa_self_weight"] <= r["cpa_own_client_weight"] < 1 and 0 < r["cpa_weight_entropy"] <= 1
     ev = m["evaluations"]
     assert {(r["stage"], r["label_task"]) for r in ev if r["stage_end"]} == {
         (st, g) for st in range(2) for g in exp.scenario.trained_label_tasks(st)

@@ -49,6 +49,7 @@ prompt (pool task 0) and head on its own data for the rounds it is scheduled, no
 from __future__ import annotations
 
 import copy
+import math
 from typing import Literal
 
 import torch
@@ -243,6 +244,7 @@ class C2PromptServer(FedAvgServer):
         super().__init__(*args, **kwargs)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # client → its pool (created from the global one)
         self._eval_models: dict[int, PromptedClassifier] = {}
+        self.cpa_diagnostics: dict[str, float] = {}  # how the last CPA mixed (see `class_aware`)
 
     def begin_task(self, task: int) -> None:
         super().begin_task(task)  # the global pool draws the stage's block (once)
@@ -292,7 +294,9 @@ class C2PromptServer(FedAvgServer):
         losses = [r.scalars["loss"] for r in usable.values()]
         metrics.update(loss=sum(losses) / len(losses) if losses else float("nan"), clients=len(usable))
         if usable:
+            self.cpa_diagnostics = {}
             self.aggregate(usable)
+            metrics.update(self.cpa_diagnostics)
         return metrics
 
     def aggregate(self, replies: dict[int, Message]) -> None:
@@ -302,7 +306,7 @@ class C2PromptServer(FedAvgServer):
         head = self.owned_head(previous, replies, weights)
         names = [n for n in previous if n.startswith("prompt.")]
         if p.cpa:
-            new_pools = self.class_aware(replies, names)
+            new_pools, self.cpa_diagnostics = self.class_aware(replies, names)
         else:
             mean = weighted_mean([{n: r.tensors[n] for n in names} for r in replies.values()], weights)
             new_pools = {k: {n: t.clone() for n, t in mean.items()} for k in set(self.pools) | set(replies)}
@@ -313,22 +317,35 @@ class C2PromptServer(FedAvgServer):
         mean_pool["prompt.initialized_tasks"] = previous["prompt.initialized_tasks"]
         self.model.set_state({**previous, **mean_pool, **head})
 
-    def class_aware(self, replies: dict[int, Message], names: list[str]) -> dict[int, dict[str, torch.Tensor]]:
-        """Per layer, W = row-softmax(H Hᵀ/τ) over the K·N stage components; client k gets its rows of W·P."""
+    def class_aware(
+        self, replies: dict[int, Message], names: list[str]
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, float]]:
+        """Per layer, W = row-softmax(H Hᵀ/τ) over the K·N stage components; client k gets its rows of W·P.
+
+        Also returns how W mixes (means over rows and layers): `cpa_self_weight` (W's diagonal: the share a
+        component keeps of itself), `cpa_own_client_weight` (the share from its own client's N components; FedAvg
+        gives 1/K) and `cpa_weight_entropy` (row entropy over log(K·N): 1 = uniform mixing, 0 = no mixing).
+        """
         p = self.params
         clients = list(replies)
         s, f = stage_block(self.model)
         n = f - s
         out = {k: {name: replies[k].tensors[name].clone() for name in names} for k in clients}
         hist = torch.stack([replies[k].tensors["cpa/hist"] for k in clients])  # (K, layers, N, classes)
+        own = torch.block_diag(*[torch.ones(n, n, dtype=torch.float64)] * len(clients))
+        diag: dict[str, list[float]] = {"cpa_self_weight": [], "cpa_own_client_weight": [], "cpa_weight_entropy": []}
         for layer in range(hist.shape[1]):
             W = class_affinity_weights(hist[:, layer], p.cpa_temperature, p.histogram_norm)
+            entropy = -(W * W.clamp_min(1e-300).log()).sum(1) / max(math.log(W.shape[0]), 1e-12)
+            diag["cpa_self_weight"].append(W.diagonal().mean().item())
+            diag["cpa_own_client_weight"].append((W * own).sum(1).mean().item())
+            diag["cpa_weight_entropy"].append(entropy.mean().item())
             for name in POOL_TENSORS:
                 stacked = torch.cat([replies[k].tensors[name][layer, s:f] for k in clients])
                 mixed = mix_rows(W, stacked)
                 for i, k in enumerate(clients):
                     out[k][name][layer, s:f] = mixed[i * n : (i + 1) * n]
-        return out
+        return out, {key: sum(v) / len(v) for key, v in diag.items()}
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         if client not in self._eval_models:
