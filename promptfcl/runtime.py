@@ -47,6 +47,12 @@ def _validate_section(model: type[BaseModel], values: dict[str, Any], prefix: st
 def resolve_method(cfg: ExperimentConfig) -> tuple[MethodSpec, Any]:
     """The registered method and its validated hyper-parameters (paper defaults + config overrides)."""
     spec = _lookup(METHODS, cfg.method.name, "method.name")
+    if spec.scenario_kinds is not None and cfg.scenario.kind not in spec.scenario_kinds:
+        kinds = " or ".join(spec.scenario_kinds)
+        raise ConfigError(
+            f"method {spec.name!r} is defined on scenario.kind {kinds}, not {cfg.scenario.kind!r}; set "
+            f"scenario.kind: {spec.scenario_kinds[0]} (see configs/cpu/ for a preset) or choose another method"
+        )
     return spec, _validate_section(
         spec.params, cfg.method.params_dict(), "method.", f"hyper-parameters for method {spec.name!r}"
     )

@@ -211,3 +211,12 @@ def test_client_local_regime_runs_through_flower_like_in_process(tmp_path: Path)
     assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["retention"] == ref["retention"]
     assert ours["summary"] == ref["summary"]
     assert ours["communication"] == ref["communication"]
+
+
+def test_fedmgp_on_a_non_personalized_scenario_is_refused_up_front() -> None:
+    from promptfcl.config import ConfigError
+    from promptfcl.runtime import check_config
+
+    with pytest.raises(ConfigError, match="scenario.kind personalized, not 'class_incremental'"):
+        check_config(build_config(tiny_raw(method={"name": "fedmgp"})))
+    check_config(build_config(personal_raw({"name": "fedmgp"})))  # the personalized scenario passes

@@ -373,6 +373,7 @@ class MethodSpec:
     build_model: ModelFactory | None
     summary: str
     paper: str = ""
+    scenario_kinds: tuple[str, ...] | None = None  # the scenario kinds it is defined on (None: any)
     kind: ClassVar[str] = "method"
 
     def programs(self, env: MethodEnv, params: BaseModel) -> tuple[ServerProgram, ClientProgram]:

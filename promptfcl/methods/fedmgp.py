@@ -390,4 +390,5 @@ register_method(
     "coarse global L2P prompts fused on the server by distillation + fine class-wise local prefix prompts and "
     "per-task heads kept on each client (personalized FCL)",
     "FedMGP (KDD 2024)",
+    scenario_kinds=("personalized",),
 )

@@ -18,8 +18,13 @@ def register_method(
     build_model: ModelFactory | None,
     summary: str,
     paper: str = "",
+    scenario_kinds: tuple[str, ...] | None = None,
 ) -> MethodSpec:
-    """Register a method under `name`; its `params` model holds the paper's defaults."""
-    spec = MethodSpec(name, params, server, client, build_model, summary, paper)
+    """Register a method under `name`; its `params` model holds the paper's defaults.
+
+    `scenario_kinds` lists the `scenario.kind`s the method is defined on (None: every kind); configs pairing it
+    with another kind are refused up front.
+    """
+    spec = MethodSpec(name, params, server, client, build_model, summary, paper, scenario_kinds)
     METHODS.register(name)(spec)
     return spec
