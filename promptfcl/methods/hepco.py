@@ -35,6 +35,8 @@ reflection-padded translation, not RandomResizedCrop; clients upload only traina
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -126,6 +128,34 @@ class LabelCountingClient(SupervisedClient):
         return msg
 
 
+@dataclass
+class LatentBatches:
+    """Distillation batches from the round's generators: `batch` new-class latents, plus `n_old` old-class ones
+    (replay ratio × batch) once an old-task generator exists; labels drawn ∝ the classes' counts."""
+
+    new: LatentGenerator
+    hist_new: torch.Tensor
+    batch: int
+    gen: torch.Generator
+    device: torch.device
+    old: LatentGenerator | None = None
+    hist_old: torch.Tensor | None = None
+    n_old: int = 0
+    old_teacher: Teacher | None = None
+
+    def add_old(self, generator: LatentGenerator, hist: torch.Tensor, n_old: int, teacher: Teacher) -> None:
+        self.old, self.hist_old, self.n_old, self.old_teacher = generator, hist, n_old, teacher
+
+    @torch.no_grad()
+    def draw(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        y_new = sample_labels(self.hist_new, self.batch, self.gen).to(self.device)
+        z_new = self.new(y_new)
+        if self.old is None or self.hist_old is None or self.n_old == 0:
+            return z_new, y_new, None, None
+        y_old = sample_labels(self.hist_old, self.n_old, self.gen).to(self.device)
+        return z_new, y_new, self.old(y_old), y_old
+
+
 class HePCoServer(PreviousTaskServer):
     """Uniform FedAvg, then generator training and two-stage latent distillation against clients and the
     previous-task snapshot; keeps the cumulative label counts."""
@@ -156,28 +186,40 @@ class HePCoServer(PreviousTaskServer):
         return out
 
     def consolidate(self, replies: dict[int, Message], counts: torch.Tensor, info: RoundInfo) -> dict[str, float]:
-        p, space, dev = self.params, self.env.label_space, self.env.device
+        """§4.2–4.3 in order: generators for the new and the old classes, then latent distillation (A, B)."""
+        p = self.params
         seed_everything(self.env.seed, "hepco", info.task, info.round)
         gen = torch_generator(self.env.seed, "hepco-labels", info.task, info.round)
-        n_seen = space.seen_logits(info.task)
-        seen = space.mask(range(n_seen)).to(dev)
-        student = self.model
-
-        def student_prompts(z: torch.Tensor) -> torch.Tensor:
-            return prompt_output(student, z)
-
         teachers = self.teachers(replies, counts)
+        latents, metrics = self.train_generators(teachers, counts.sum(0).double(), info, gen)
+        if p.distill_prompts:
+            metrics["prompt_kd_loss"] = self.distill_prompts(latents, teachers)
+        if p.distill_head:
+            metrics["head_kd_loss"] = self.distill_head(latents, self.env.label_space.seen_logits(info.task))
+        return metrics
+
+    def student_prompts(self, z: torch.Tensor) -> torch.Tensor:
+        return prompt_output(self.model, z)
+
+    def train_generators(
+        self, teachers: list[Teacher], hist_new: torch.Tensor, info: RoundInfo, gen: torch.Generator
+    ) -> tuple[LatentBatches, dict[str, float]]:
+        """Eq. 5–6: a fresh generator against the round's clients; Eq. 7: one against the previous-task server
+        (when there is one and earlier classes were seen). Logs how often the teachers classify the latents as
+        their conditioning label (`*generator_fidelity`)."""
+        p, space, dev = self.params, self.env.label_space, self.env.device
+        seen = space.mask(range(space.seen_logits(info.task))).to(dev)
+        student = self.model
         g_new = LatentGenerator(space.num_logits, self.env.backbone.embed_dim).to(dev)
-        hist_new = counts.sum(0).double()
         losses = train_generator(
-            g_new, teachers, student.head, student_prompts, hist_new, seen, p.generator_iterations,
+            g_new, teachers, student.head, self.student_prompts, hist_new, seen, p.generator_iterations,
             p.kd_batch_size, p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
         )  # fmt: skip
         metrics = {
             "generator_loss": losses[-1] if losses else float("nan"),
             "generator_fidelity": latent_fidelity(g_new, teachers, hist_new, seen, info),
         }
-        g_old, prev_teacher, hist_old = None, None, None
+        latents = LatentBatches(g_new, hist_new, p.kd_batch_size, gen, dev)
         old = self.cumulative.clone()
         old[space.tasks[info.task].logits[0] :] = 0
         if self.prev is not None and info.task > 0 and old.sum() > 0:
@@ -185,51 +227,47 @@ class HePCoServer(PreviousTaskServer):
             prev.requires_grad_(False)
             prev_teacher = Teacher(prev.head, lambda z: prompt_output(prev, z), torch.ones(space.num_logits))
             g_old = LatentGenerator(space.num_logits, self.env.backbone.embed_dim).to(dev)
-            hist_old = old.double()
             train_generator(
-                g_old, [prev_teacher], student.head, student_prompts, hist_old, seen,
+                g_old, [prev_teacher], student.head, self.student_prompts, old.double(), seen,
                 p.generator_iterations + p.generator_extra_per_task * info.task, p.kd_batch_size,
                 p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
             )  # fmt: skip
-            metrics["old_generator_fidelity"] = latent_fidelity(g_old, [prev_teacher], hist_old, seen, info)
-        n_old = round(p.kd_batch_size * p.replay_ratio)
+            metrics["old_generator_fidelity"] = latent_fidelity(g_old, [prev_teacher], old.double(), seen, info)
+            latents.add_old(g_old, old.double(), round(p.kd_batch_size * p.replay_ratio), prev_teacher)
+        return latents, metrics
 
-        def latents() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-            with torch.no_grad():
-                y_new = sample_labels(hist_new, p.kd_batch_size, gen).to(dev)
-                z_new = g_new(y_new)
-                if g_old is None or n_old == 0:
-                    return z_new, y_new, None, None
-                y_old = sample_labels(hist_old, n_old, gen).to(dev)  # type: ignore[arg-type]
-                return z_new, y_new, g_old(y_old), y_old
+    def distill_prompts(self, latents: LatentBatches, teachers: list[Teacher]) -> float:
+        """Eq. 8, stage A (prompts only): Σ_c w_c‖ρ_s(z_new) − ρ_c(z_new)‖² + ‖ρ_s(z_old) − ρ_prev(z_old)‖²."""
+        p, dev, student = self.params, self.env.device, self.model
+        opt = torch.optim.Adam(student.prompt.parameters(), lr=p.kd_lr)
+        loss = torch.zeros(())
+        for _ in range(p.kd_iterations):
+            z_new, y_new, z_old, _ = latents.draw()
+            s_new = prompt_output(student, z_new)
+            loss = sum(
+                (t.weight.to(dev)[y_new] * (s_new - t.prompts(z_new)).pow(2).flatten(1).sum(1)).sum() for t in teachers
+            )  # type: ignore[assignment]
+            if z_old is not None and latents.old_teacher is not None:
+                loss = loss + (prompt_output(student, z_old) - latents.old_teacher.prompts(z_old)).pow(2).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
 
-        if p.distill_prompts:
-            opt = torch.optim.Adam(student.prompt.parameters(), lr=p.kd_lr)
-            for _ in range(p.kd_iterations):
-                z_new, y_new, z_old, _ = latents()
-                s_new = prompt_output(student, z_new)
-                loss = sum(
-                    (t.weight.to(dev)[y_new] * (s_new - t.prompts(z_new)).pow(2).flatten(1).sum(1)).sum()
-                    for t in teachers
-                )
-                if z_old is not None:
-                    loss = loss + (prompt_output(student, z_old) - prev_teacher.prompts(z_old)).pow(2).sum()  # type: ignore[union-attr]
-                opt.zero_grad(set_to_none=True)
-                loss.backward()  # type: ignore[union-attr]
-                opt.step()
-            metrics["prompt_kd_loss"] = float(loss.detach())  # type: ignore[arg-type]
-        if p.distill_head:
-            opt = torch.optim.Adam(student.head.parameters(), lr=p.kd_lr)
-            for _ in range(p.kd_iterations):
-                z_new, y_new, z_old, y_old = latents()
-                z = z_new if z_old is None else torch.cat([z_new, z_old])
-                y = y_new if y_old is None else torch.cat([y_new, y_old])
-                loss = F.cross_entropy(student.head(z)[:, :n_seen], y)  # seen logits are a prefix: labels unchanged
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-            metrics["head_kd_loss"] = float(loss.detach())
-        return metrics
+    def distill_head(self, latents: LatentBatches, n_seen: int) -> float:
+        """Eq. 9, stage B (head only): CE on the mixed new and old latents over the seen classes."""
+        p, student = self.params, self.model
+        opt = torch.optim.Adam(student.head.parameters(), lr=p.kd_lr)
+        loss = torch.zeros(())
+        for _ in range(p.kd_iterations):
+            z_new, y_new, z_old, y_old = latents.draw()
+            z = z_new if z_old is None else torch.cat([z_new, z_old])
+            y = y_new if y_old is None else torch.cat([y_new, y_old])
+            loss = F.cross_entropy(student.head(z)[:, :n_seen], y)  # seen logits are a prefix: labels unchanged
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
 
     def state(self) -> Record:
         record = super().state()
