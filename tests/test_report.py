@@ -91,3 +91,22 @@ def test_long_tailed_class_groups_become_the_first_columns(tmp_path) -> None:
     assert columns[:5] == ["overall (%)", "head (%)", "mid (%)", "tail (%)", "FAA (%)"]
     assert "forgetting (%)" not in columns and "BWT (%)" not in columns  # one task: not defined
     assert rows[0]["values"]["tail (%)"] == pytest.approx((15.0, statistics.stdev([10.0, 20.0])))
+
+
+def test_scenario_labels_name_each_scenario_family() -> None:
+    from promptfcl.report.comparison import scenario_label
+
+    data = {"name": "cifar100"}
+    asyn = {
+        "kind": "asynchronous", "num_tasks": 5, "num_clients": 5, "rounds_per_task": 3,
+        "partition": {"kind": "dirichlet", "beta": 0.5}, "asynchronous": {"min_overlap": 0, "data_slices": 5},
+    }  # fmt: skip
+    label = scenario_label({"scenario": asyn, "data": data})
+    assert "asynchronous task switching" in label and "Dirichlet" not in label
+    personal = {"mode": "asynchronous", "private_classes": 15, "public_classes": 25, "beta": 1.0}
+    pers = {**asyn, "kind": "personalized", "personalized": personal}
+    assert "personalized asynchronous (15 private + 25 public classes" in scenario_label(
+        {"scenario": pers, "data": data}
+    )
+    cil = {**asyn, "kind": "class_incremental"}
+    assert "Dirichlet β=0.5" in scenario_label({"scenario": cil, "data": data})

@@ -56,6 +56,21 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         part = kind
     if s.get("kind") == "long_tailed":
         part = f"long-tailed IF={(s.get('long_tail') or {}).get('imbalance_factor')}, {part}"
+    elif s.get("kind") == "asynchronous":  # Powder / C2Prompt: own task sequences, no Dirichlet split
+        a = s.get("asynchronous") or {}
+        switching = a.get("switching_clients")
+        part = (
+            f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
+            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices)"
+        )
+    elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
+        q = s.get("personalized") or {}
+        classes = (
+            f"{q.get('private_classes')} private + {q.get('public_classes')} public classes"
+            if q.get("mode") == "asynchronous"
+            else "shared class order"
+        )
+        part = f"personalized {q.get('mode')} ({classes}, Dirichlet β={q.get('beta')})"
     per_class = f", {d.get('train_per_class')}/{d.get('test_per_class')} train/test per class"
     sub = per_class if d.get("train_per_class") or d.get("test_per_class") else ""
     return (
@@ -180,6 +195,10 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
             ),
             Image(dst, f"client x class counts, scenario {k + 1}"),
         ]
+        timeline = first.run_dir / "scenario_timeline.png"  # asynchronous scenarios: which task each client learns
+        if timeline.is_file():
+            shutil.copyfile(timeline, fig_dir / f"scenario_{k}_timeline.png")
+            blocks.append(Image(fig_dir / f"scenario_{k}_timeline.png", f"client x stage task ids, scenario {k + 1}"))
     return blocks
 
 
