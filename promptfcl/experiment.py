@@ -77,8 +77,9 @@ class Experiment:
             GridPolicy(e.min_clients, e.client_timeout, FaultPlan(e.faults, e.client_timeout)), self.server.reply_schema
         )
         self.regime = build_regime(
-            self.cfg.eval, self.scenario, self.dataset.test, rt.env.eval_transform, self.device, self.grid
-        )
+            self.cfg.eval, self.scenario, self.dataset.test, rt.env.eval_transform, self.device, self.grid,
+            e.round_retries,
+        )  # fmt: skip
         self.evaluator = self.regime.evaluator  # the server-side regimes' test-split evaluator (None: client_local)
         self.setup_seconds = time.perf_counter() - t0
 

@@ -220,3 +220,26 @@ def test_fedmgp_on_a_non_personalized_scenario_is_refused_up_front() -> None:
     with pytest.raises(ConfigError, match="scenario.kind personalized, not 'class_incremental'"):
         check_config(build_config(tiny_raw(method={"name": "fedmgp"})))
     check_config(build_config(personal_raw({"name": "fedmgp"})))  # the personalized scenario passes
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_client_silent_at_evaluation_is_asked_again_or_listed_as_missing(tmp_path: Path, retries: int) -> None:
+    import warnings
+
+    raw = personal_raw({"name": "fedvit", "local_epochs": 1, "batch_size": 8}, mode="synchronous", rounds=1)
+    # client 1 loses task 1's messages of attempt 0: its training and the evaluate message that follows in the
+    # same attempt; a retry (attempt 1) reaches it
+    fault = {"kind": "no_reply", "client": 1, "tasks": [1]}
+    raw["engine"] = {"device": "cpu", "round_retries": retries, "faults": [fault]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Experiment(build_config(raw), tmp_path / "r", show_progress=False).run()
+    warned = [str(w.message) for w in caught if "did not answer the evaluation" in str(w.message)]
+    rounds = [json.loads(x) for x in (tmp_path / "r" / "rounds.jsonl").read_text().splitlines()]
+    assert [f["client"] for f in rounds[1]["failures"]] == [1]  # dropped from training either way
+    if retries:
+        assert not warned and "eval_missing" not in rounds[1]
+        assert set(rounds[1]["client_accuracy"]) == {"0", "1", "2"}
+    else:
+        assert warned == ["clients [1] did not answer the evaluation; their accuracies are left out"]
+        assert rounds[1]["eval_missing"] == [1] and set(rounds[1]["client_accuracy"]) == {"0", "2"}

@@ -19,10 +19,16 @@ Measured after every round (`eval.retention_every_round`, default) or only after
 regime stamps `measure_local` on the messages of the rounds it evaluates (`round_stamp`, set on the grid before
 `server.run_round`), so clients test θ_i^r only then. `build_regime` (`evaluation.regimes`) dispatches here.
 Evaluation traffic is not counted as communication (the round's bytes are logged before it runs).
+A client that does not answer the `evaluate` message is asked again, up to `engine.round_retries` times (as
+a retry attempt of the round, so a fault plan's `attempts` apply); clients still silent are listed in the
+round's `eval_missing` and left out of that evaluation's means (a warning is printed), so a lost measurement is
+visible instead of silently shrinking the average.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +40,7 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.evaluator import TaskResult
 from promptfcl.evaluation.metrics import accuracy_curve, spatial_retention, summarize, temporal_retention
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, ServerProgram
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundFailed, ServerProgram
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.scenario import Scenario
 
@@ -126,11 +132,12 @@ class ClientLocalRegime:
     name = "client_local"
     evaluator = None  # no server-side test-split evaluator
 
-    def __init__(self, scenario: Scenario, grid: Grid, batch_size: int, every_round: bool) -> None:
+    def __init__(self, scenario: Scenario, grid: Grid, batch_size: int, every_round: bool, retries: int = 0) -> None:
         self.scenario = scenario
         self.grid = grid
         self.batch_size = batch_size
         self.every_round = every_round
+        self.retries = retries
 
     def round_stamp(self, last: bool) -> dict[str, Any]:
         """Scalars for this round's messages: trained clients measure their local model when we evaluate."""
@@ -144,7 +151,7 @@ class ClientLocalRegime:
         tasks = list(range(t + 1)) if last else sorted({0, t})
         msg = server.evaluate_message()
         msg.scalars.update({"tasks": tasks, "batch_size": self.batch_size})
-        replies = self.grid.broadcast(range(self.scenario.num_clients), msg)
+        replies, missing = self.ask_every_client(msg)
         held = {c: r.scalars["global"] for c, r in replies.items()}
         local = {
             c: r.scalars["local"]["counts"]
@@ -161,6 +168,8 @@ class ClientLocalRegime:
         kr_s = spatial_retention([a for a, _ in pairs], [b for _, b in pairs]) if pairs else float("nan")
         ret["rounds"].append({"task": t, "round": rnd, "kr_t": _finite(kr_t), "kr_s": _finite(kr_s)})
         entry: dict[str, Any] = {"kr_t": kr_t, "kr_s": kr_s}
+        if missing:
+            entry["eval_missing"] = missing
         names = sorted({k for r in replies.values() for k in r.scalars.get("diagnostics", {})})
         for name in names:
             vals = [
@@ -180,6 +189,24 @@ class ClientLocalRegime:
         state["correct"] = [r.correct for r in results]
         state["total"] = [r.total for r in results]
         return entry
+
+    def ask_every_client(self, msg: Message) -> tuple[dict[int, Message], list[int]]:
+        """Every client's `evaluate` reply; silent clients are asked again (as retry attempts of the round)."""
+        replies: dict[int, Message] = {}
+        missing = list(range(self.scenario.num_clients))
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.grid.start_round(self.grid.round, self.grid.attempt + 1)
+            with contextlib.suppress(RoundFailed):  # fewer replies than engine.min_clients: none usable this time
+                replies.update(self.grid.broadcast(missing, msg))
+            missing = [c for c in missing if c not in replies]
+            if not missing:
+                break
+        if missing:
+            warnings.warn(
+                f"clients {missing} did not answer the evaluation; their accuracies are left out", stacklevel=2
+            )
+        return replies, missing
 
     def finish(self, state: dict[str, Any]) -> dict[str, Any]:
         A, ret = state["accuracy_matrix"], state["retention"]

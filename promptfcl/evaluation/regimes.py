@@ -228,9 +228,10 @@ def build_regime(
     transform: ImageTransform,
     device: torch.device,
     grid: Grid | None = None,
+    retries: int = 0,
 ) -> ClassIncrementalRegime | SlotRegime | ClientLocalRegime:
     """The evaluation regime of a run: the one place `eval.regime` is dispatched (`grid`: the run's grid, which the
-    client_local regime sends its `evaluate` messages through)."""
+    client_local regime sends its `evaluate` messages through, asking silent clients again `retries` times)."""
     if cfg.regime == "client_local" or (cfg.regime == "auto" and scenario.personalized):
         if not scenario.personalized:
             raise ConfigError(
@@ -241,7 +242,7 @@ def build_regime(
             raise ConfigError("eval.class_groups needs the server-side evaluator; use eval.regime: task_agnostic")
         if grid is None:
             raise ValueError("the client_local regime needs the run's grid")
-        return ClientLocalRegime(scenario, grid, cfg.batch_size, cfg.retention_every_round or cfg.every_round)
+        return ClientLocalRegime(scenario, grid, cfg.batch_size, cfg.retention_every_round or cfg.every_round, retries)
     if scenario.schedule is not None:
         if cfg.regime == "task_agnostic":
             raise ConfigError(
