@@ -158,8 +158,8 @@ def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios
     root = Path(__file__).resolve().parents[1]
     configs = [load_config(p) for p in sorted(root.glob("configs/*/*fedmgp*.yaml"))]
     configs += [load_config(p) for p in sorted(root.glob("configs/fedmgp/*.yaml"))]
-    for name in ("fedmgp_cifar100_cpu.yaml", "fedmgp_cifar100_gpu.yaml"):
-        study, study_dir = load_study(root / "benchmarks" / name)
+    for path in ("benchmarks/fedmgp_cifar100_cpu.yaml", "configs/papers/fedmgp/table1_cifar100.yaml"):
+        study, study_dir = load_study(root / path)
         configs += [cell_config(study, study_dir, cell, 0) for cell in study.cells]
     assert len(configs) == 2 + 3 + 12 + 12
     for cfg in configs:
