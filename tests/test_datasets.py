@@ -331,6 +331,17 @@ def test_absent_trees_name_the_expected_layout(tmp_path: Path, name: str, option
 
 
 def test_split_file_and_tree_disagreements_are_refused(tmp_path: Path) -> None:
+    only_splits = tmp_path / "splits_only"
+    only_splits.mkdir()
+    for name in ("train", "test"):
+        (only_splits / f"imagenet-r_{name}.yaml").write_text(yaml.safe_dump({"data": [], "targets": []}))
+    with pytest.raises(ConfigError, match=r"missing: <wnid>/\)\..*imagenet-r\.tar"):
+        check_config(_cfg("imagenet_r", only_splits))
+    tree, _ = _imagenet_r(only_splits)
+    for name in ("train", "test"):
+        (tree / f"imagenet-r_{name}.yaml").write_text(yaml.safe_dump({"data": [], "targets": []}))
+    with pytest.raises(ConfigError, match="imagenet-r_train.yaml lists no images"):
+        _load_checked("imagenet_r", tree, decode_size=4)
     root, ident = _imagenet_r(tmp_path)
     rels = sorted(ident)
     doc = {"data": rels, "targets": [0] * len(rels)}  # one class id for images of three wnid folders

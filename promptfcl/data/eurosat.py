@@ -24,7 +24,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import Row, check_files, decode_rows, names_from_rows, per_class_split, scan_class_folders
+from promptfcl.data.files import (
+    Row,
+    check_files,
+    check_subfolders,
+    decode_rows,
+    names_from_rows,
+    per_class_split,
+    scan_class_folders,
+)
 from promptfcl.data.split_files import anchor_rows
 
 _SPLIT_FILES = ("split_zhou_EuroSAT.json", "split.json")
@@ -56,8 +64,7 @@ def check_eurosat(root: Path, o: EuroSATOptions) -> None:
             "data.options.split: per_class"
         )
         check_files(root, [" or ".join(names)], "EuroSAT (Zhou/CoOp split)", how)
-    if not root.is_dir() or not any(d.is_dir() for d in root.iterdir()):
-        check_files(root, ["<Class>/"], "EuroSAT", _HOW.format(""))
+    check_subfolders(root, "<Class>/", "EuroSAT", _HOW.format(""))
 
 
 def _read_zhou(path: Path) -> tuple[list[Row], list[Row]]:

@@ -34,6 +34,8 @@ def read_list(path: Path) -> list[Row]:
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
             raise DataMissingError(f"{path}:{n}: expected '<relative path> <class id>', got {line!r}")
         rows.append((parts[0], int(parts[1])))
+    if not rows:
+        raise DataMissingError(f"{path} lists no images")
     return rows
 
 
@@ -108,6 +110,12 @@ def check_files(base: Path, names: Sequence[str], what: str, how: str) -> None:
             f"{what} not found in {base}/: expected {', '.join(names)} there (missing: {', '.join(missing)}). "
             f"{how} Set data.root to that folder (or $PROMPTFCL_DATA to its parent); nothing is downloaded."
         )
+
+
+def check_subfolders(base: Path, label: str, what: str, how: str) -> None:
+    """Raise `DataMissingError` unless `base` holds at least one (class / domain) sub-folder, named `label`."""
+    if not base.is_dir() or not any(d.is_dir() for d in base.iterdir()):
+        check_files(base, [label], what, how)
 
 
 def _decode_one(path: Path, size: int) -> np.ndarray:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
 from promptfcl.data.files import (
     check_files,
+    check_subfolders,
     decode_rows,
     names_from_rows,
     per_class_split,
@@ -70,8 +71,7 @@ def check_imagenet_r(root: Path, o: ImageNetROptions) -> None:
             "dataloaders/splits/) next to them, or name '<path> <class id>' lists in data.options.train_list/test_list"
         )
         check_files(root, [o.train_list, o.test_list], "ImageNet-R (CODA-P split)", how)
-    elif not root.is_dir() or not any(d.is_dir() for d in root.iterdir()):
-        check_files(root, ["<wnid>/"], "ImageNet-R (HePCo split)", _IMR_HOW.format(""))
+    check_subfolders(root, "<wnid>/", f"ImageNet-R ({o.split} split)", _IMR_HOW.format(""))
 
 
 def load_imagenet_r(root: Path, o: ImageNetROptions, download: bool) -> ImageDataset:
@@ -110,13 +110,9 @@ def check_imagenet_a(root: Path, o: ImageNetAOptions) -> None:
             "or unpack the release https://people.eecs.berkeley.edu/~hendrycks/imagenet-a.tar as <root>/<wnid>/ "
             "and set data.options.split: per_class.",
         )
-    elif not root.is_dir() or not any(d.is_dir() for d in root.iterdir()):
-        check_files(
-            root,
-            ["<wnid>/"],
-            "ImageNet-A",
-            "Unpack https://people.eecs.berkeley.edu/~hendrycks/imagenet-a.tar so that <root>/<wnid>/*.jpg exist.",
-        )
+    else:
+        how = "Unpack https://people.eecs.berkeley.edu/~hendrycks/imagenet-a.tar so that <root>/<wnid>/*.jpg exist."
+        check_subfolders(root, "<wnid>/", "ImageNet-A", how)
 
 
 def load_imagenet_a(root: Path, o: ImageNetAOptions, download: bool) -> ImageDataset:

@@ -36,6 +36,8 @@ def read_coda_split(path: Path) -> list[Row]:
     data, targets = doc["data"], doc["targets"]
     if len(data) != len(targets) or not all(isinstance(t, int) for t in targets):
         raise DataMissingError(f"{path}: 'data' and 'targets' must be equally long and 'targets' integer class ids")
+    if not data:
+        raise DataMissingError(f"{path} lists no images")
     return [(str(p), int(t)) for p, t in zip(data, targets, strict=True)]
 
 
