@@ -358,15 +358,18 @@ def test_split_file_and_tree_disagreements_are_refused(tmp_path: Path) -> None:
 
 
 def test_shipped_configs_name_valid_dataset_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every preset's data section names a registered dataset with options its model accepts."""
+    """Every preset's data section names a registered dataset with options its model accepts, and its scenario
+    fits that dataset's class count (runtime's data check, minus the file check: `download` skips it)."""
     from promptfcl.config import load_config
-    from promptfcl.runtime import resolve_dataset_options
+    from promptfcl.runtime import _check_data, resolve_dataset_options
 
     monkeypatch.setenv("PROMPTFCL_ASSETS", "/assets")
     monkeypatch.setenv("PROMPTFCL_DATA", "/data")
     root = Path(__file__).resolve().parents[1] / "configs"
     used = set()
     for path in sorted(p for p in root.rglob("*.yaml") if "papers" not in p.parts):
-        spec, _ = resolve_dataset_options(load_config(path))
+        cfg = load_config(path)
+        spec, _ = resolve_dataset_options(cfg)
         used.add(spec.name)
+        _check_data(cfg.model_copy(update={"data": cfg.data.model_copy(update={"download": True})}))
     assert {"imagenet_r", "domainnet", "imagenet_a", "eurosat", "cars196", "cub200", "fashion_mnist"} <= used
