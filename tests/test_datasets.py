@@ -84,6 +84,14 @@ def test_imagenet_r_coda_p_yaml_split(tmp_path: Path) -> None:
     for i, t in zip(_ids(ds.train), ds.train.targets.tolist(), strict=True):  # every image keeps its listed class
         assert WNIDS[t] == next(r for r, k in ident.items() if k == i)[:9]
 
+    # a tree unpacked with DualPrompt's train/ and test/ sub-folders: paths are re-anchored after 'imagenet-r/'
+    dual = tmp_path / "dual" / "imagenet-r"
+    moved = _tree(dual, [f"{'test' if r in test_rels else 'train'}/{r}" for r in ident])
+    for name in ("train", "test"):
+        (dual / f"imagenet-r_{name}.yaml").write_text((root / f"imagenet-r_{name}.yaml").read_text())
+    ds_dual = _load("imagenet_r", dual, decode_size=4)
+    assert sorted(_ids(ds_dual.test)) == sorted(moved[f"test/{r}"] for r in test_rels)
+
     # '<path> <id>' text lists instead of the YAML files
     (root / "tr.txt").write_text("".join(f"{r} {WNIDS.index(r[:9])}\n" for r in train_rels))
     (root / "te.txt").write_text("".join(f"{r} {WNIDS.index(r[:9])}\n" for r in test_rels))
