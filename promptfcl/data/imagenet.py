@@ -81,8 +81,7 @@ def load_imagenet_r(root: Path, o: ImageNetROptions, download: bool) -> ImageDat
         train, test = pooled_split(rows, o.train_fraction, o.split_seed)
     else:
         train, test = (
-            anchor_rows(root, read_split_file(root / f), 2, ("imagenet-r",))
-            for f in (o.train_list, o.test_list)
+            anchor_rows(root, read_split_file(root / f), 2, ("imagenet-r",)) for f in (o.train_list, o.test_list)
         )
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
