@@ -95,7 +95,7 @@ def _check_data(cfg: ExperimentConfig) -> None:
         order = class_order(cfg.scenario, n, cfg.seed)
     except PartitionError as e:
         raise ConfigError(f"scenario: {e}") from None
-    if len(order) < sum(counts):
+    if cfg.scenario.kind != "asynchronous" and len(order) < sum(counts):  # asynchronous tasks reuse classes
         raise ConfigError(
             f"scenario.class_order lists {len(order)} classes but the tasks need {sum(counts)}; list more classes "
             "or lower scenario.num_tasks / scenario.classes_per_task"

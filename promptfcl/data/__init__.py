@@ -1,6 +1,16 @@
 """Datasets (registry, decoders) and batched transforms."""
 
-from promptfcl.data import cifar, image_folder, synthetic  # noqa: F401  (register datasets)
+from promptfcl.data import (  # noqa: F401  (register datasets)
+    cars,
+    cifar,
+    cub,
+    domainnet,
+    eurosat,
+    fashion_mnist,
+    image_folder,
+    imagenet,
+    synthetic,
+)
 from promptfcl.data.base import (
     DATASETS,
     DataMissingError,

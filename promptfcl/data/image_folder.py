@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, ImageSplit, register_dataset
+from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
+from promptfcl.data.files import decode_rows, read_list
 
 
 class ImageFolderOptions(BaseModel):
@@ -32,18 +31,6 @@ class ImageFolderOptions(BaseModel):
     num_classes: int | None = Field(None, gt=0, description="default: 1 + the largest class id listed")
 
 
-def _read_list(path: Path) -> list[tuple[str, int]]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.rsplit(maxsplit=1)
-        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-            raise DataMissingError(f"{path}:{n}: expected '<relative path> <class id>', got {line!r}")
-        rows.append((parts[0], int(parts[1])))
-    return rows
-
-
 def check_image_folder(root: Path, o: ImageFolderOptions) -> None:
     missing = [f for f in (o.train_list, o.test_list) if not (root / f).is_file()]
     if missing:
@@ -54,30 +41,14 @@ def check_image_folder(root: Path, o: ImageFolderOptions) -> None:
         )
 
 
-def _decode(root: Path, rows: list[tuple[str, int]], size: int) -> ImageSplit:
-    from PIL import Image
-
-    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
-    for i, (rel, _) in enumerate(rows):
-        path = root / rel
-        if not path.is_file():
-            raise DataMissingError(f"{path} is listed in the split file but does not exist")
-        try:
-            with Image.open(path) as im:
-                images[i] = np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC))
-        except OSError as e:
-            raise DataMissingError(f"{path} could not be decoded as an image: {e}") from None
-    return ImageSplit(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.tensor([c for _, c in rows]))
-
-
 def load_image_folder(root: Path, o: ImageFolderOptions, download: bool) -> ImageDataset:
     check_image_folder(root, o)
-    train_rows, test_rows = _read_list(root / o.train_list), _read_list(root / o.test_list)
+    train_rows, test_rows = read_list(root / o.train_list), read_list(root / o.test_list)
     n = o.num_classes or 1 + max(c for _, c in train_rows + test_rows)
     names_file = root / o.classes_file
     names = names_file.read_text().splitlines()[:n] if names_file.is_file() else [f"class_{i}" for i in range(n)]
     return ImageDataset(
-        root.name, _decode(root, train_rows, o.decode_size), _decode(root, test_rows, o.decode_size), names
+        root.name, decode_rows(root, train_rows, o.decode_size), decode_rows(root, test_rows, o.decode_size), names
     )
 
 
