@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -96,6 +97,8 @@ def setting(args: argparse.Namespace) -> Setting:
         if args.quick:
             s.images, s.repeats, s.cache_epochs, s.cache_images = 48, 1, 2, 32
     s.bf16 = bool(getattr(args, "bf16", False))
+    s.images = getattr(args, "images", None) or s.images
+    s.repeats = getattr(args, "repeats", None) or s.repeats
     return s
 
 
@@ -432,6 +435,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="few images, one repeat: checks the script, not speeds")
     ap.add_argument("--cpu", action="store_true", help="measure on the CPU even when a GPU is present")
     ap.add_argument("--bf16", action="store_true", help="also the bf16-autocast section on the CPU (always on CUDA)")
+    ap.add_argument("--images", type=int, help="images per client-step measurement (default 320 CPU, 1024 CUDA)")
+    ap.add_argument("--repeats", type=int, help="measurements per row, median reported (default 3)")
     ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
     ap.add_argument("--rss-child", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -451,6 +456,7 @@ def main() -> None:
         "images": s.images,
         "repeats": s.repeats,
         "threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()),  # other processes change every number
         "machine": platform.processor() or platform.machine(),
         "environment": environment_info(),
     }
