@@ -132,6 +132,21 @@ class ScenarioConfig(StrictModel):
     asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)
     personalized: PersonalizedConfig = Field(default_factory=PersonalizedConfig, description="kind: personalized")
     long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
+    upper_bound: Literal["centralized", "joint"] | None = Field(
+        None,
+        description="an upper-bound row instead of the federation (promptfcl.scenario.upper_bound): centralized = "
+        "one learner holding every client's data, task by task; joint = one learner, one task of all classes",
+    )
+
+    @model_validator(mode="after")
+    def _upper_bound_is_defined(self) -> ScenarioConfig:
+        if self.upper_bound is not None and self.kind in ("asynchronous", "personalized"):
+            raise ValueError(
+                f"scenario.upper_bound: {self.upper_bound} is defined on class_incremental and long_tailed scenarios "
+                f"(one shared task sequence), not on {self.kind} ones (per-client task sequences); drop "
+                "scenario.upper_bound or set scenario.kind: class_incremental"
+            )
+        return self
 
     @model_validator(mode="after")
     def _long_tail_is_static(self) -> ScenarioConfig:
@@ -223,6 +238,11 @@ class EngineConfig(StrictModel):
         None, gt=0, description="seconds a client may take before its reply is dropped"
     )
     faults: list[FaultSpec] = Field(default_factory=list, description="fault plan injected at the engine boundary")
+    tracking: Literal["tensorboard"] | None = Field(
+        None,
+        description="also log every round's scalars and the final summary for TensorBoard under RUN_DIR/tb/ "
+        "(needs the promptfcl[tracking] extra)",
+    )
 
     @model_validator(mode="after")
     def _slow_needs_timeout(self) -> EngineConfig:

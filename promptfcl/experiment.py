@@ -27,6 +27,7 @@ from promptfcl.reliability import GracefulStop, RoundSnapshot, RunStopped
 from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks, plot_task_timeline
 from promptfcl.report.progress import RunProgress
 from promptfcl.report.results import clean_json, summary_rows, write_final, write_rounds
+from promptfcl.report.tracking import open_tracker
 from promptfcl.runtime import Runtime, check_config, resolve_method
 
 __all__ = ["Experiment", "RunStopped", "check_config", "resolve_method"]
@@ -127,6 +128,10 @@ class Experiment:
             self._write_run_files()
         self.state = progress_state
         T, R = self.scenario.num_tasks, self.scenario.rounds_per_task
+        self.tracker = open_tracker(self.cfg, self.run_dir, dump_config(self.cfg), resume)
+        if self.tracker is not None:  # a resumed run logs its checkpoint's rounds again (after a purge)
+            for entry in progress_state["rounds"]:
+                self.tracker.log_round(entry["task"] * R + entry["round"], entry)
         with RunProgress(T * R, self.show_progress) as self.progress, GracefulStop(self.handle_signals) as self.stop:
             self.progress.skip(start_task * R + start_round)
             for task in range(start_task, T):
@@ -186,6 +191,8 @@ class Experiment:
                 self.run_dir, Checkpoint(nxt[0], nxt[1], self.server.state(), dict(self.grid.states), self.state)
             )
         write_rounds(self.run_dir, self.state["rounds"])  # after the checkpoint: the log never runs ahead of it
+        if self.tracker is not None:
+            self.tracker.log_round(task * R + rnd, self.state["rounds"][-1])
         self.progress.round_done()
 
     def _attempt_round(self, info: RoundInfo) -> dict[str, float]:
@@ -245,7 +252,12 @@ class Experiment:
             },
             "timing": timing,
         }
+        if self.scenario.upper_bound is not None:  # reports label the row as an upper bound, not a method
+            metrics["upper_bound"] = self.scenario.upper_bound
         write_final(self.run_dir, self.cfg.run_name(), metrics)
+        if self.tracker is not None:
+            self.tracker.log_final(self.scenario.num_tasks * self.scenario.rounds_per_task - 1, metrics)
+            self.tracker.close()
         return metrics
 
     def print_summary(self, metrics: dict[str, Any]) -> None:

@@ -21,9 +21,11 @@ from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransf
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
+from promptfcl.report.tracking import check_tracking
 from promptfcl.scenario.partition import PartitionError
 from promptfcl.scenario.personalized import personalized_class_count
 from promptfcl.scenario.scenario import Scenario, build_scenario, class_order, task_class_counts
+from promptfcl.scenario.upper_bound import check_upper_bound
 from promptfcl.seeding import numpy_rng
 
 _BACKBONES: dict[str, Any] = {}
@@ -67,7 +69,15 @@ def resolve_dataset_options(cfg: ExperimentConfig) -> tuple[Any, Any]:
 def check_config(cfg: ExperimentConfig) -> None:
     """Cheap checks that need the registries and the file system; run before anything is decoded."""
     problems = []
-    for check in (resolve_method, _check_data, _check_backbone, _check_eval, _check_engine):
+    for check in (
+        resolve_method,
+        _check_data,
+        _check_backbone,
+        _check_eval,
+        _check_engine,
+        check_upper_bound,
+        check_tracking,
+    ):
         try:
             check(cfg)
         except ConfigError as e:

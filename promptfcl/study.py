@@ -266,10 +266,15 @@ def summarize_study(study: StudyConfig, out: Path) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
     sweep_keys = sorted({k for r in rows for k in r["sweep"]})
-    w.writerow(["cell", "method", "seeds", *sweep_keys] + [f"{c} {s}" for c in columns for s in ("mean", "std")])
+    bounds = ["upper_bound"] if any(r.get("upper_bound") for r in rows) else []  # only when a row is one
+    head = ["cell", "method", "seeds", *bounds, *sweep_keys]
+    w.writerow(head + [f"{c} {s}" for c in columns for s in ("mean", "std")])
     for row in rows:
         vals = [x for c in columns for x in (row["values"].get(c) or ("", ""))]
-        w.writerow([row["cell"], row["method"], row["seeds"], *(row["sweep"].get(k, "") for k in sweep_keys), *vals])
+        ub = [row.get("upper_bound") or ""] if bounds else []
+        w.writerow(
+            [row["cell"], row["method"], row["seeds"], *ub, *(row["sweep"].get(k, "") for k in sweep_keys), *vals]
+        )
     atomic_write_text(out / "summary.csv", buf.getvalue())
     atomic_write_text(
         out / "summary.json", json.dumps({"study": study.name, "columns": columns, "rows": rows}, indent=2)
@@ -279,11 +284,11 @@ def summarize_study(study: StudyConfig, out: Path) -> str:
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """The comparison table: one row per cell, mean ± std over its seeds (just the mean for one seed)."""
-    from promptfcl.report.collect import format_value
+    from promptfcl.report.collect import format_value, row_label
 
     header = "| cell | method | seeds | " + " | ".join(columns) + " |"
     lines = [header, "|" + " --- |" * (3 + len(columns))]
     for row in rows:
         vals = [format_value(row["values"].get(c), row["seeds"]) for c in columns]
-        lines.append(f"| {row['cell']} | {row['method']} | {row['seeds']} | " + " | ".join(vals) + " |")
+        lines.append(f"| {row_label(row)} | {row['method']} | {row['seeds']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)

@@ -5,6 +5,8 @@ Columns are FAA (HGP's FAA, HePCo's A_N), average forgetting and BWT, then every
 `metrics.json` `summary` holds (e.g. KR of personalised regimes; one level of nesting is flattened to
 `outer.inner`), then MB per round (up + down) and wall time. Long-tailed runs' `class_groups` (overall / head /
 mid / tail) become `overall (%)` … columns, first, and replace forgetting and BWT when every run has them.
+Upper-bound runs (`scenario.upper_bound`, metrics.json `upper_bound`) keep their cell name and carry
+`upper_bound` in their row; tables show them as `<cell> [upper bound: centralized]` (`row_label`).
 """
 
 from __future__ import annotations
@@ -106,6 +108,14 @@ class Group:
     def method(self) -> str:
         return self.runs[0].metrics.get("method", "") if self.runs else ""
 
+    @property
+    def upper_bound(self) -> str | None:
+        """ "centralized" / "joint" when the group's runs are an upper-bound row (scenario.upper_bound), else None."""
+        if not self.runs:
+            return None
+        run = self.runs[0]
+        return run.metrics.get("upper_bound") or (run.config.get("scenario") or {}).get("upper_bound")
+
 
 def groups_from_runs(run_dirs: list[str | Path]) -> list[Group]:
     """Group run directories whose configs are equal up to seed and name; label each by its config name."""
@@ -202,8 +212,23 @@ def aggregate(groups: list[Group]) -> tuple[list[dict[str, Any]], list[str]]:
         for c in columns:
             xs = [v[c] for v in vals if c in v]
             values[c] = mean_std(xs) if xs else None
-        rows.append({"cell": g.name, "method": g.method, "seeds": len(g.runs), "sweep": g.sweep, "values": values})
+        rows.append(
+            {
+                "cell": g.name,
+                "method": g.method,
+                "seeds": len(g.runs),
+                "sweep": g.sweep,
+                "upper_bound": g.upper_bound,
+                "values": values,
+            }
+        )
     return rows, columns
+
+
+def row_label(row: dict[str, Any]) -> str:
+    """A table row's name: the cell, marked when it is an upper bound rather than a federated method."""
+    bound = row.get("upper_bound")
+    return f"{row['cell']} [upper bound: {bound}]" if bound else row["cell"]
 
 
 def format_value(value: tuple[float, float] | list[float] | None, seeds: int, digits: int = 2) -> str:

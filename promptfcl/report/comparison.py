@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.report.collect import Group, RunResult, aggregate, format_value, mean_std
+from promptfcl.report.collect import Group, RunResult, aggregate, format_value, mean_std, row_label
 from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
 
@@ -29,6 +29,16 @@ COLUMN_NOTES = (
     "from each old task's best accuracy (Chaudhry et al.); BWT: mean change of each old task's accuracy since it "
     "was learned; MB / round: bytes up + down per round; wall time: one run, end to end (runs that shared the "
     "CPU are slower). Other columns are the runs' own summary keys. Values are mean ± std over seeds."
+)
+
+
+UPPER_BOUND_NOTE = (
+    "**Upper bounds** (rows marked `[upper bound: …]`) are not federated methods: the same prompted model, data, "
+    "backbone, budget and evaluation, trained by one learner. *centralized*: task by task, holding every client's "
+    "data of each task (HePCo's \"Prompting (centralized)\"); *joint*: all classes at once as one task (HGP's "
+    '"Joint"), whose FAA is its accuracy over all classes (compare with the federated rows\' FAA / A_N; its '
+    "forgetting and BWT are 0 by definition). Their MB / round is the one learner's model exchange, not federation "
+    "traffic, so they are left out of the accuracy-vs-communication plot."
 )
 
 
@@ -71,6 +81,8 @@ def scenario_label(cfg: dict[str, Any]) -> str:
             else "shared class order"
         )
         part = f"personalized {q.get('mode')} ({classes}, Dirichlet β={q.get('beta')})"
+    if s.get("upper_bound"):
+        part = f"{part}; UPPER BOUND ({s['upper_bound']}): one learner holds every client's data"
     per_class = f", {d.get('train_per_class')}/{d.get('test_per_class')} train/test per class"
     sub = per_class if d.get("train_per_class") or d.get("test_per_class") else ""
     return (
@@ -110,7 +122,7 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
     sweep_keys = sorted({k for g in groups for k in g.sweep})
     header = ["cell", "method", "seeds", *sweep_keys, *columns]
     table = [
-        [r["cell"], r["method"], str(r["seeds"]), *(json.dumps(r["sweep"].get(k, "")) for k in sweep_keys)]
+        [row_label(r), r["method"], str(r["seeds"]), *(json.dumps(r["sweep"].get(k, "")) for k in sweep_keys)]
         + [format_value(r["values"][c], r["seeds"]) for c in columns]
         for r in rows
     ]
@@ -121,6 +133,11 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
         Table(header, table),
         Text(COLUMN_NOTES),
     ]
+    bounds = [g for g in done if g.upper_bound]
+    if bounds:
+        blocks.append(
+            Text(UPPER_BOUND_NOTE + " Here: " + ", ".join(f"`{g.name}` ({g.upper_bound})" for g in bounds) + ".")
+        )
     random_init = [g.name for g in done if "RANDOM INIT" in backbone_label(g.runs[0].config)]
     if random_init:
         blocks.append(
@@ -168,6 +185,8 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
         blocks.append(Text("No curve or accuracy matrix for " + ", ".join(f"`{n}`" for n in single) + " (one task)."))
     points = {}
     for g in groups:
+        if g.upper_bound:  # no federation traffic to plot against
+            continue
         faas = [r.column_values().get("FAA (%)") for r in g.runs]
         if all(f is not None for f in faas):
             mb = mean_std([r.total_mb for r in g.runs])

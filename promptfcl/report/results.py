@@ -78,8 +78,10 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     s, comm, t = metrics["summary"], metrics["communication"], metrics["timing"]
     groups = [(f"{g} accuracy (%)", f"{v:.2f}") for g, v in s.get("class_groups", {}).items()]
     extra = [(label, _fmt(s.get(key))) for key, label in SUMMARY_ROWS if key in s]
+    bound = [("upper bound", str(metrics["upper_bound"]))] if metrics.get("upper_bound") else []
     return (
-        groups
+        bound
+        + groups
         + extra
         + [
             ("FAA (%)", f"{s['faa']:.2f}"),

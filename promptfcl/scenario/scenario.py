@@ -48,6 +48,7 @@ class Scenario:
     # [task][client] → its local test indices (into the *train* split, held out from `client_train`)
     client_tasks: list[list[list[int]]] | None = None
     client_test: list[list[np.ndarray]] | None = None
+    upper_bound: str | None = None  # "centralized" | "joint": one learner, no federation (scenario.upper_bound)
 
     @property
     def personalized(self) -> bool:
@@ -140,6 +141,8 @@ class Scenario:
             out["client_class_counts"] = self.client_class_counts(train_targets).tolist()
         if self.class_groups is not None:
             out["class_groups"] = self.class_groups
+        if self.upper_bound is not None:
+            out["upper_bound"] = self.upper_bound
         if self.schedule is not None:
             out.update(kind=self.kind, schedule=self.schedule, owners=[list(o) for o in self.owners or []])
         return out
@@ -165,6 +168,7 @@ class Scenario:
                 if d.get("client_test") is not None
                 else None
             ),
+            upper_bound=d.get("upper_bound"),
         )
 
     def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:
@@ -243,7 +247,15 @@ def draw_participants(cfg: ScenarioConfig, seed: int) -> list[list[list[int]]]:
 def build_scenario(
     cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
 ) -> Scenario:
-    """The scenario family `cfg.kind` names (the one dispatch point for scenario builders)."""
+    """The scenario family `cfg.kind` names (the one dispatch point for scenario builders), in its centralized or
+    joint upper-bound form when `cfg.upper_bound` is set (`promptfcl.scenario.upper_bound`)."""
+    if cfg.upper_bound is not None:
+        from promptfcl.scenario.upper_bound import upper_bound_scenario
+
+        federated = build_scenario(
+            cfg.model_copy(update={"upper_bound": None}), train_targets, test_targets, num_classes, seed
+        )
+        return upper_bound_scenario(federated, cfg, cfg.upper_bound)
     if cfg.kind == "asynchronous":
         from promptfcl.scenario.asynchronous import build_asynchronous
 
