@@ -5,7 +5,7 @@ STAMP := $(VENV)/.promptfcl-installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev,flower,clip]'
+	$(PY) -m pip install -q -e '.[dev,flower,clip,tracking]'
 	touch $(STAMP)
 
 install: $(STAMP)
