@@ -76,16 +76,12 @@ def upper_bound_scenario(scenario: Scenario, cfg: ScenarioConfig, mode: UpperBou
 
 
 def check_upper_bound(cfg: ExperimentConfig) -> None:
-    """Refuse the combinations an upper-bound row cannot be defined on, saying how to fix each."""
+    """Refuse the combinations an upper-bound row cannot be defined on, saying how to fix each (asynchronous and
+    personalized scenarios are refused by `ScenarioConfig` itself)."""
     mode = cfg.scenario.upper_bound
     if mode is None:
         return
     key, problems = f"scenario.upper_bound: {mode}", []
-    if cfg.scenario.kind in ("asynchronous", "personalized"):
-        problems.append(
-            f"{key} merges every client's data into one learner, which {cfg.scenario.kind} scenarios (per-client "
-            "task sequences) do not allow; drop scenario.upper_bound, or use scenario.kind: class_incremental"
-        )
     if cfg.eval.regime == "client_local":
         problems.append(f"{key}: one learner has no client-local test splits; set eval.regime: auto")
     if cfg.engine.faults:
