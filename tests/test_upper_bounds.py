@@ -127,4 +127,4 @@ def test_upper_bound_runs_and_a_study_cell_are_labelled_in_metrics_report_and_su
 
     report = write_report(groups_from_study(out), out, "ub").read_text()
     assert "centralized [upper bound: centralized]" in report and "**Upper bounds**" in report
-    assert "UPPER BOUND (joint)" in report  # the set-up table says what the row is
+    assert "UPPER BOUND (joint): one task of the classes of 2 tasks, one learner holding the data of 3" in report

@@ -81,14 +81,16 @@ def scenario_label(cfg: dict[str, Any]) -> str:
             else "shared class order"
         )
         part = f"personalized {q.get('mode')} ({classes}, Dirichlet β={q.get('beta')})"
-    if s.get("upper_bound"):
-        part = f"{part}; UPPER BOUND ({s['upper_bound']}): one learner holds every client's data"
     per_class = f", {d.get('train_per_class')}/{d.get('test_per_class')} train/test per class"
     sub = per_class if d.get("train_per_class") or d.get("test_per_class") else ""
-    return (
-        f"{d.get('name', '?')}{sub}; {s.get('num_tasks')} tasks, {s.get('num_clients')} clients, {part}, "
-        f"{s.get('rounds_per_task')} rounds/task"
-    )
+    tasks, clients = f"{s.get('num_tasks')} tasks", f"{s.get('num_clients')} clients"
+    if s.get("upper_bound") == "joint":
+        tasks = f"UPPER BOUND (joint): one task of the classes of {tasks}"
+    elif s.get("upper_bound"):
+        tasks = f"{tasks}, UPPER BOUND ({s['upper_bound']})"
+    if s.get("upper_bound"):
+        clients = f"one learner holding the data of {clients}"
+    return f"{d.get('name', '?')}{sub}; {tasks}, {clients}, {part}, {s.get('rounds_per_task')} rounds/task"
 
 
 def _commit(run: RunResult) -> str:
