@@ -11,15 +11,19 @@ images and classes:
   `iid`, long-tailed) all the task's clients, so the learner holds the task's whole training set (partial
   participation is ignored: the upper bound sees every client); with HePCo's stateless sampling
   (`partition.kind: hepco`), that round's `num_clients` fresh draws, so round r's learner sees exactly the images
-  the federation's round r saw (each once, where draws overlap).
+  the federation's round r saw (each once, where draws overlap): the budget-matched reading. HePCo's own row
+  trains on each task's whole training set; its presets get that with `partition.kind: iid` (a fixed partition).
 - **joint** (HGP Table 1's "Joint": trained on the global data distribution, "without federated or incremental
   splitting") additionally merges every task into one task holding all the classes (in class order, so the logit
-  layout is the federated run's); the evaluation is then one accuracy over all classes (the run's FAA, which
-  the report compares with the federated rows' FAA / A_N; forgetting and BWT are 0 by definition).
+  layout is the federated run's; with HePCo's stateless sampling round r's learner holds every task's round-r
+  draws); the evaluation is then one accuracy over all classes (the run's FAA, which
+  the report compares with the federated rows' FAA / A_N; forgetting and BWT are 0 by definition). On a
+  long-tailed scenario (one task already) joint and centralized are the same run.
 
 Budget: the loop keeps `rounds_per_task` rounds and the method its `local_epochs`, so each training image is
 seen `rounds_per_task × local_epochs` times, exactly as often as in the federated run with full participation
-(where each image belongs to one client and one task), and the total number of optimiser steps is the same.
+(where each image belongs to one client and one task), and the learner takes about as many optimiser steps as all
+clients together (ceil(N/B) against the sum of ceil(n_k/B) over the clients' shards).
 A joint run does *not* get `num_tasks × rounds_per_task` rounds: that would show every image `num_tasks` times
 more often than the federated learner does. The single learner is client 0 (stateless: client r is round r's
 learner), so FedAvg-style aggregation is the identity and each method's server steps still run.
