@@ -82,7 +82,15 @@ def _study(args: argparse.Namespace) -> int:
         )
         console.print(f"  {run.cell} seed {run.seed}: {status}")
 
-    results = execute(runs, args.jobs, done)
+    try:
+        results = execute(runs, args.jobs, done)
+    except KeyboardInterrupt:
+        finished = sum(r.finished for r in runs)
+        err_console.print(
+            f"study interrupted: {finished} of {len(runs)} runs finished, the stopped ones checkpointed; run the "
+            "same command again to resume (finished runs are kept)"
+        )
+        return 130
     console.print(summarize_study(study, out))
     if not args.no_report and any(r.finished for r in runs):
         _write_study_report(out, study.name)

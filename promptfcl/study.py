@@ -33,8 +33,10 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,22 +240,59 @@ def _command(run: StudyRun) -> list[str]:
 def execute(runs: list[StudyRun], jobs: int = 1, on_done: Any = None) -> list[tuple[StudyRun, int]]:
     """Run every unfinished run, `jobs` at a time, each with its share of the CPU threads.
 
-    The share is over the runs that can actually run at once: a lone remaining run gets every core.
+    The share is over the runs that can actually run at once: a lone remaining run gets every core. On
+    SIGINT / SIGTERM (or Ctrl-C) no further run starts, the running ones get SIGINT (each checkpoints its last
+    completed round and exits), and the interrupt propagates once they have stopped; running the same study again
+    resumes them.
     """
     todo = [r for r in runs if not r.finished]
     threads = max(1, (os.cpu_count() or 1) // max(min(jobs, len(todo)), 1))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    stopping = threading.Event()
+    running: dict[int, subprocess.Popen] = {}
+    lock = threading.Lock()
 
-    def one(run: StudyRun) -> tuple[StudyRun, int]:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run.run_dir.parent / f"seed{run.seed}.log", "a") as log:
-            rc = subprocess.call(_command(run), env=env, stdout=log, stderr=subprocess.STDOUT)
-        if on_done is not None:
+    def one(run: StudyRun) -> tuple[StudyRun, int] | None:
+        with lock:
+            if stopping.is_set():
+                return None
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run.run_dir.parent / f"seed{run.seed}.log", "a")  # noqa: SIM115 - closed below
+            proc = subprocess.Popen(_command(run), env=env, stdout=log, stderr=subprocess.STDOUT)
+            running[proc.pid] = proc
+        try:
+            rc = proc.wait()
+        finally:
+            log.close()
+            with lock:
+                running.pop(proc.pid, None)
+        if on_done is not None and not stopping.is_set():
             on_done(run, rc)
         return run, rc
 
-    with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
-        return list(pool.map(one, todo))
+    pool = ThreadPoolExecutor(max_workers=max(jobs, 1))
+    futures = [pool.submit(one, r) for r in todo]
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if _main_thread() else None
+    try:
+        results = [f.result() for f in futures]
+    except KeyboardInterrupt:
+        with lock:
+            stopping.set()
+            procs = list(running.values())
+        for proc in procs:  # a terminal's Ctrl-C reaches them too; a signal sent to the study alone does not
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    pool.shutdown()
+    return [r for r in results if r is not None]
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def summarize_study(study: StudyConfig, out: Path) -> str:

@@ -119,3 +119,37 @@ def test_missing_backbone_weights_fall_back_to_a_labelled_random_init_only_when_
     cfg = cell_config(study, study_dir, "a", 0)
     assert cfg.backbone.weights is None and cfg.name == "mini_a_RANDOM_INIT"
     assert plan(study, study_dir, tmp_path / "out2")[0].config_path.read_text().count("RANDOM_INIT") == 1
+
+
+@pytest.mark.slow
+def test_interrupted_study_starts_nothing_new_and_resumes_without_redoing(tmp_path) -> None:
+    """A signal to the study process alone: no further run starts, the running one checkpoints and stops, and
+    the same command afterwards finishes the rest without redoing the finished run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_tasks": 2, "rounds_per_task": 3})))
+    study = {"name": "mini", "base": "base.yaml", "seeds": [0, 1, 2], "cells": {"fedavg_prompt": {}}}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "promptfcl", "study", str(path), "--out", str(out), "--jobs", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seed0, seed1 = out / "fedavg_prompt" / "seed0", out / "fedavg_prompt" / "seed1"
+    deadline = time.time() + 300
+    while not ((seed0 / "metrics.json").is_file() and (seed1 / "rounds.jsonl").is_file()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)  # the study alone, not its process group
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, output
+    assert "study interrupted: 1 of 3 runs finished" in " ".join(output.split())
+    assert not (seed1 / "metrics.json").is_file() and (seed1 / "checkpoint.safetensors").is_file()
+    assert not (out / "fedavg_prompt" / "seed2").exists()  # never started
+    finished_at = (seed0 / "metrics.json").stat().st_mtime_ns
+    assert main(["study", str(path), "--out", str(out), "--jobs", "1"]) == 0
+    assert (seed0 / "metrics.json").stat().st_mtime_ns == finished_at  # not redone
+    assert all((out / "fedavg_prompt" / f"seed{s}" / "metrics.json").is_file() for s in range(3))
