@@ -157,14 +157,17 @@ def plot_accuracy_vs_communication(
     n = len(points)
     fig, ax = plt.subplots(figsize=(8.5 if n > 6 else 6.5, 4.5))
     xs = [p[0] for p in points.values()]
+    positive = [x for x in xs if x > 0]
     if log_x is None:
-        log_x = min(xs) > 0 and max(xs) / min(xs) > 20
+        log_x = bool(positive) and max(xs) / min(positive) > 20
     for (name, (x, xe, y, ye)), (color, marker) in zip(points.items(), _styles(n), strict=True):
         ax.errorbar(x, y, xerr=xe or None, yerr=ye or None, fmt=marker, color=color, label=name, ms=6, capsize=3)
         if n <= 6:  # beyond that the legend outside the axes names the points; labels would collide
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color)
     ax.margins(x=0.15, y=0.12)
-    if log_x:
+    if log_x and len(positive) < len(xs):  # runs without traffic (zero-shot) stay on the axis: linear below it
+        ax.set_xscale("symlog", linthresh=min(positive))
+    elif log_x:
         ax.set_xscale("log")
     else:
         ax.set_xlim(left=-0.03 * max(max(xs), 1e-9))  # points at 0 MB (zero-shot) stay visible
