@@ -89,7 +89,7 @@ def test_flower_simulation_engine_equals_in_process_engine(tmp_path: Path) -> No
     ours = json.loads((tmp_path / "sim" / "metrics.json").read_text())
     ref = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
     assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["communication"] == ref["communication"]
-    leftover = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    leftover = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
     homes = [_environ_of(line.split()[0]) for line in leftover if "flower-superlink" in line]
     assert not any(str(tmp_path / "sim") in env for env in homes)  # the simulation SuperLink was stopped
 

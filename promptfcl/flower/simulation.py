@@ -87,10 +87,11 @@ def run_flower_simulation(cfg: ExperimentConfig, run_dir: Path, timeout: float =
 
 def _stop_local_superlink(home: Path) -> None:
     """Kill the detached `flower-superlink --simulation` that `flwr run` started for this FLWR_HOME."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True)
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True)
     for line in out.stdout.splitlines()[1:]:
         pid, _, args = line.strip().partition(" ")
-        if "flower-superlink" in args and "--simulation" in args and str(home) in _environ_of(pid):
+        ours = str(home) in args or str(home) in _environ_of(pid)  # its log and database live under FLWR_HOME
+        if "flower-superlink" in args and "--simulation" in args and ours:
             _terminate(int(pid))
 
 
