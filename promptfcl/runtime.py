@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
+from promptfcl.evaluation.regimes import check_regime
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
@@ -114,16 +115,7 @@ def _check_data(cfg: ExperimentConfig) -> None:
 
 def _check_eval(cfg: ExperimentConfig) -> None:
     e = cfg.eval
-    if cfg.scenario.kind == "asynchronous" and e.regime == "task_agnostic":
-        raise ConfigError(
-            "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat under "
-            "several logits); use task_aware or auto"
-        )
-    if e.regime == "client_local" and cfg.scenario.kind != "personalized":
-        raise ConfigError(
-            "eval.regime: client_local tests each client on its local test splits, which only personalized "
-            "scenarios hold; set scenario.kind: personalized or eval.regime: auto"
-        )
+    check_regime(e.regime, cfg.scenario.kind)
     if e.direct_reference and not (Path(e.direct_reference) / "metrics.json").is_file():
         raise ConfigError(
             f"eval.direct_reference: {e.direct_reference} holds no finished run (no metrics.json); run the direct "

@@ -221,6 +221,20 @@ class SlotRegime(ServerSideRegime):
         }
 
 
+def check_regime(regime: str, scenario_kind: str) -> None:
+    """Refuse an `eval.regime` the scenario kind cannot define (the up-front config check and `build_regime`)."""
+    if scenario_kind == "asynchronous" and regime == "task_agnostic":
+        raise ConfigError(
+            "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat under "
+            "several logits); use task_aware or auto"
+        )
+    if regime == "client_local" and scenario_kind != "personalized":
+        raise ConfigError(
+            "eval.regime: client_local tests each client on its local test splits, which only personalized "
+            "scenarios hold; set scenario.kind: personalized or eval.regime: auto"
+        )
+
+
 def build_regime(
     cfg: EvalConfig,
     scenario: Scenario,
@@ -232,23 +246,15 @@ def build_regime(
 ) -> ClassIncrementalRegime | SlotRegime | ClientLocalRegime:
     """The evaluation regime of a run: the one place `eval.regime` is dispatched (`grid`: the run's grid, which the
     client_local regime sends its `evaluate` messages through, asking silent clients again `retries` times)."""
+    kind = "personalized" if scenario.personalized else "asynchronous" if scenario.schedule is not None else "other"
+    check_regime(cfg.regime, kind)
     if cfg.regime == "client_local" or (cfg.regime == "auto" and scenario.personalized):
-        if not scenario.personalized:
-            raise ConfigError(
-                "eval.regime: client_local tests each client on its local test splits, which only personalized "
-                "scenarios hold; set scenario.kind: personalized or eval.regime: auto"
-            )
         if cfg.class_groups:
             raise ConfigError("eval.class_groups needs the server-side evaluator; use eval.regime: task_agnostic")
         if grid is None:
             raise ValueError("the client_local regime needs the run's grid")
         return ClientLocalRegime(scenario, grid, cfg.batch_size, cfg.retention_every_round or cfg.every_round, retries)
     if scenario.schedule is not None:
-        if cfg.regime == "task_agnostic":
-            raise ConfigError(
-                "eval.regime: task_agnostic is undefined on an asynchronous scenario (real classes repeat "
-                "under several logits); use task_aware or auto"
-            )
         return SlotRegime(SlotEvaluator(test, scenario, transform, cfg.batch_size, device), cfg)
     regime = "task_agnostic" if cfg.regime == "auto" else cfg.regime
     groups = scenario.class_groups if cfg.class_groups is not False else None
