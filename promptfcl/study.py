@@ -272,7 +272,8 @@ def execute(runs: list[StudyRun], jobs: int = 1, on_done: Any = None) -> list[tu
 
     pool = ThreadPoolExecutor(max_workers=max(jobs, 1))
     futures = [pool.submit(one, r) for r in todo]
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if _main_thread() else None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
         results = [f.result() for f in futures]
     except KeyboardInterrupt:
@@ -289,10 +290,6 @@ def execute(runs: list[StudyRun], jobs: int = 1, on_done: Any = None) -> list[tu
             signal.signal(signal.SIGTERM, previous)
     pool.shutdown()
     return [r for r in results if r is not None]
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def summarize_study(study: StudyConfig, out: Path) -> str:
