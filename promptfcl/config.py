@@ -183,6 +183,10 @@ class BackboneConfig(StrictModel):
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     interpolation: Literal["bicubic", "bilinear"] = "bicubic"
     init_seed: int = Field(0, description="seed of the random init (used as is when no weights are loaded)")
+    stem_cache: bool = Field(
+        True, description="hybrid backbones (a frozen CNN stem before the ViT): cache the stem's output per image"
+    )
+    stem_cache_mb: float = Field(4096, gt=0, description="memory the stem cache may fill (float32 token maps)")
 
     @field_validator("weights")
     @classmethod

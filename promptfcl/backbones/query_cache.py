@@ -1,10 +1,17 @@
-"""A content-addressed cache of the unprompted query q(x) = frozen ViT(x) without prompts.
+"""A content-addressed cache of a frozen function of the input image: the unprompted query q(x) = frozen ViT(x)
+without prompts, or the output of a frozen CNN stem (the hybrid backbone's patch embedding).
 
 Pool methods (L2P, DualPrompt, CODA-P, HePCo's weighted pool, FedMGP) need q(x) for every image at every step;
 the backbone is frozen, so q is a pure function of the transformed input. The cache keys each sample by a hash
 of its exact input tensor: a repeated image under the same deterministic transform (no augmentation, or the
 same flip) is a hit across epochs, rounds, clients and evaluation; a randomly cropped image is a new key, so
 with `crop_flip` augmentation the cache only costs memory — configs turn it off there.
+
+`per_sample` computes every missing entry from that image alone. Convolutions are not batch-invariant at float
+rounding (~2e-5 for the hybrid stem), so a value computed inside a batch depends on which images shared it — and a
+run resumed with an empty cache would refill it from other batches than the uninterrupted run did. One image at a
+time makes every entry a function of its image alone, so a resumed run is exact (measured on 2 CPU cores: ~1.2× the
+batched stem's cost, paid once per image variant).
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import torch
 
 
 class QueryCache:
-    """Maps input-content hashes to query vectors (kept on the CPU), up to `max_entries` entries."""
+    """Maps input-content hashes to the frozen function's output (kept on the CPU), up to `max_entries` entries."""
 
-    def __init__(self, max_entries: int = 500_000) -> None:
+    def __init__(self, max_entries: int = 500_000, per_sample: bool = False) -> None:
         self.max_entries = max_entries
+        self.per_sample = per_sample
         self.store: dict[bytes, torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
@@ -36,7 +44,10 @@ class QueryCache:
         self.misses += len(missing)
         fresh = {}
         if missing:
-            q = compute(x[missing]).detach()
+            if self.per_sample:
+                q = torch.cat([compute(x[i : i + 1]) for i in missing]).detach()
+            else:
+                q = compute(x[missing]).detach()
             for j, i in enumerate(missing):
                 fresh[keys[i]] = q[j]
                 if len(self.store) < self.max_entries:

@@ -8,6 +8,8 @@ One instance is shared by every simulated client; it is always in eval mode and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from promptfcl.backbones.hybrid import has_stem
 from promptfcl.backbones.prompt_spec import PromptSpec
 from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.config import BackboneConfig
@@ -54,9 +57,15 @@ def prefixed_block(blk: nn.Module, x: torch.Tensor, pk: torch.Tensor, pv: torch.
 
 
 class FrozenViT(nn.Module):
-    """Frozen timm ViT with prompt hooks. `forward(x, spec)` → final-norm CLS feature (B, d)."""
+    """Frozen timm ViT with prompt hooks. `forward(x, spec)` → final-norm CLS feature (B, d).
 
-    def __init__(self, vit: nn.Module) -> None:
+    `stem_cache`: when the patch embedding is a frozen CNN stem (the hybrid backbone), its output depends only on
+    the input image, so it is kept per input content (an image and its flip are two entries) and every later
+    forward of that image — another epoch, round, client or evaluation — skips the stem.
+    `prompts_disabled()`: within it every forward ignores its `PromptSpec` (the validity gate's prompt-free pass).
+    """
+
+    def __init__(self, vit: nn.Module, stem_cache_mb: float | None = None) -> None:
         super().__init__()
         from timm.models.vision_transformer import Block, VisionTransformer
 
@@ -68,6 +77,11 @@ class FrozenViT(nn.Module):
         for p in self.vit.parameters():
             p.requires_grad_(False)
         self.query_cache: QueryCache | None = None  # set by pool methods that opt in (`enable_query_cache`)
+        self.stem_cache: QueryCache | None = None
+        if stem_cache_mb and has_stem(vit):
+            n, d = vit.patch_embed.num_patches, self.embed_dim
+            self.stem_cache = QueryCache(max(1, int(stem_cache_mb * 2**20 // (4 * n * d))), per_sample=True)
+        self._prompts_off = False
 
     @property
     def embed_dim(self) -> int:
@@ -84,9 +98,20 @@ class FrozenViT(nn.Module):
     def train(self, mode: bool = True) -> FrozenViT:  # the backbone never leaves eval mode
         return super().train(False)
 
+    @contextmanager
+    def prompts_disabled(self) -> Iterator[None]:
+        """Every forward inside ignores its prompt spec: the frozen, prompt-free output (the validity gate)."""
+        before, self._prompts_off = self._prompts_off, True
+        try:
+            yield
+        finally:
+            self._prompts_off = before
+
     def tokens(self, x: torch.Tensor, spec: PromptSpec | None = None) -> torch.Tensor:
         """All output tokens after the final norm, (B, N, d); prompt tokens keep their positions."""
         vit = self.vit
+        if self._prompts_off:
+            spec = None
         h = vit.norm_pre(self._embed(x, spec))
         prefix = spec.prefix if spec is not None else {}
         bad = [i for i in prefix if not 0 <= i < len(vit.blocks)]
@@ -98,7 +123,8 @@ class FrozenViT(nn.Module):
 
     def _embed(self, x: torch.Tensor, spec: PromptSpec | None) -> torch.Tensor:
         vit = self.vit
-        h = vit.patch_drop(vit._pos_embed(vit.patch_embed(x)))
+        stem = vit.patch_embed(x) if self.stem_cache is None else self.stem_cache(x, vit.patch_embed)
+        h = vit.patch_drop(vit._pos_embed(stem))
         if spec is None or spec.tokens is None:
             return h
         t = _expand(spec.tokens, h.shape[0]).to(h.dtype)
@@ -177,4 +203,4 @@ def build_vit(cfg: BackboneConfig) -> FrozenViT:
                 f"{cfg.weights} does not fit {cfg.name} (img_size {cfg.img_size}): missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}"
             )
-    return FrozenViT(model)
+    return FrozenViT(model, cfg.stem_cache_mb if cfg.stem_cache else None)
