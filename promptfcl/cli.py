@@ -1,6 +1,6 @@
 """Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
 `promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
-`promptfcl list`."""
+`promptfcl probe CONFIG`, `promptfcl list`."""
 
 from __future__ import annotations
 
@@ -171,6 +171,34 @@ def _flower_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_class(text: str) -> int | None:
+    return None if text in ("all", "0") else int(text)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from promptfcl.frozen_probe import probe_backbone
+
+    cfg = load_config(args.config, args.set)
+    out = probe_backbone(cfg, args.train_per_class, args.test_per_class, args.first_classes)
+    table = Table(title=f"frozen {cfg.backbone.name} on {cfg.data.name} (first {args.train_per_class or 'all'} "
+                  "training images per class)")  # fmt: skip
+    for col in ("classes", "train images", "test images", "nearest class mean (%)", "linear probe (%)", "C"):
+        table.add_column(col, justify="right")
+    for key, r in out.items():
+        if key != "protocol":
+            table.add_row(str(r["classes"]), str(r["train_images"]), str(r["test_images"]), f"{r['ncm']:.1f}",
+                          f"{r['linear']:.1f}", f"{r['linear_c']:g}")  # fmt: skip
+    console.print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        console.print(f"written to {args.out}")
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     import timm
 
@@ -185,7 +213,7 @@ def _list(args: argparse.Namespace) -> int:
         where = "generated, no files" if not spec.needs_root else f"folder {spec.folder}/"
         console.print(f"  {name:<16} {where}")
     console.print("[bold]backbones[/bold] (any timm ViT; e.g.)")
-    for name in timm.list_models("vit_*patch16_224*")[:12]:
+    for name in ["vit_tiny_hybrid_lite0", *timm.list_models("vit_*patch16_224*")[:12]]:
         console.print(f"  {name}")
     return 0
 
@@ -247,6 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     fc.add_argument("--hosts", nargs="+", default=["127.0.0.1", "localhost"], help="SuperLink IPs / DNS names")
     fc.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs to make")
     fc.set_defaults(func=_flower_certs)
+    pb = sub.add_parser(
+        "probe", help="nearest-class-mean and linear-probe accuracy of the configured frozen backbone's features"
+    )
+    pb.add_argument("config", help="YAML config (its backbone and dataset are probed)")
+    pb.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    pb.add_argument("--train-per-class", type=_per_class, default=100,
+                    help="the first N training images of each class (default 100; 'all')")  # fmt: skip
+    pb.add_argument("--test-per-class", type=_per_class, default=None,
+                    help="the first N test images of each class (default: all)")  # fmt: skip
+    pb.add_argument("--first-classes", type=int, default=20, help="also probe the first K class ids (default 20)")
+    pb.add_argument("--out", help="write the results as JSON here")
+    pb.set_defaults(func=_probe)
     ls = sub.add_parser("list", help="list methods, datasets and backbones")
     ls.set_defaults(func=_list)
     return p
