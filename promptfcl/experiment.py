@@ -19,6 +19,7 @@ from promptfcl.checkpoint import Checkpoint, has_checkpoint, load_checkpoint, sa
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.regimes import build_regime
+from promptfcl.evaluation.validity import gate
 from promptfcl.federation.faults import FaultPlan
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
@@ -79,7 +80,7 @@ class Experiment:
         )
         self.regime = build_regime(
             self.cfg.eval, self.scenario, self.dataset.test, rt.env.eval_transform, self.device, self.grid,
-            e.round_retries,
+            e.round_retries, rt.env.backbone,
         )  # fmt: skip
         self.evaluator = self.regime.evaluator  # the server-side regimes' test-split evaluator (None: client_local)
         self.setup_seconds = time.perf_counter() - t0
@@ -254,6 +255,10 @@ class Experiment:
         }
         if self.scenario.upper_bound is not None:  # reports label the row as an upper bound, not a method
             metrics["upper_bound"] = self.scenario.upper_bound
+        metrics["prompt_effect"] = self.state.get("prompt_effect")
+        metrics["validity"] = gate(
+            self.cfg.model_dump(mode="json"), rounds, self.regime.learned_tasks(self.state), metrics["prompt_effect"]
+        )
         write_final(self.run_dir, self.cfg.run_name(), metrics)
         if self.tracker is not None:
             self.tracker.log_final(self.scenario.num_tasks * self.scenario.rounds_per_task - 1, metrics)

@@ -39,6 +39,8 @@ from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.evaluator import TaskResult
 from promptfcl.evaluation.metrics import accuracy_curve, spatial_retention, summarize, temporal_retention
+from promptfcl.evaluation.prompt_effect import PromptEffect, compare_predict, has_prompts
+from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundFailed, ServerProgram
 from promptfcl.scenario.label_space import masked_logits
@@ -95,9 +97,28 @@ def evaluate_reply(
     """The answer to an `evaluate` message: the held model's counts on the requested tasks + the local counts
     (+ method-specific `diagnostics`, averaged over clients into the round's metrics as `diag/<name>`)."""
     tasks = [int(t) for t in message.scalars["tasks"]]
-    counts = measure(predict, ctx, env, tasks, int(message.scalars.get("batch_size", 256)))
+    batch_size = int(message.scalars.get("batch_size", 256))
+    counts = measure(predict, ctx, env, tasks, batch_size)
     scalars = {"global": counts, "local": ctx.state.scalars.get(LOCAL_KEY), "diagnostics": diagnostics or {}}
+    if message.scalars.get(PROMPT_EFFECT) and hasattr(env.backbone, "prompts_disabled"):
+        scalars[PROMPT_EFFECT] = prompt_effect_counts(predict, ctx, env, tasks, batch_size)
     return Message({}, scalars, kind="evaluate_reply")
+
+
+PROMPT_EFFECT = "prompt_effect"  # set on the final evaluation: clients also predict without prompts
+
+
+def prompt_effect_counts(
+    predict: Predict, ctx: ClientContext, env: MethodEnv, tasks: list[int], batch_size: int
+) -> dict[str, int]:
+    """With / without prompts counts of the held model on the local test splits of `tasks` (validity gate)."""
+    space, effect = ctx.space(env), PromptEffect()
+    for t in tasks:
+        mask = space.mask(space.tasks[t].logits)
+        data = ctx.local_test(t).batches(batch_size, env.eval_transform, device=ctx.device)
+        batches = ((x, y, mask) for x, y in data)
+        compare_predict(lambda x, t=t: predict(x, t), env.backbone, batches, effect)
+    return {k: effect.__dict__[k] for k in ("total", "changed", "correct_on", "correct_off")}
 
 
 @dataclass
@@ -151,7 +172,17 @@ class ClientLocalRegime:
         tasks = list(range(t + 1)) if last else sorted({0, t})
         msg = server.evaluate_message()
         msg.scalars.update({"tasks": tasks, "batch_size": self.batch_size})
+        final = last and t == self.scenario.num_tasks - 1
+        if final:
+            msg.scalars[PROMPT_EFFECT] = True
         replies, missing = self.ask_every_client(msg)
+        if final:
+            counts = [r.scalars[PROMPT_EFFECT] for r in replies.values() if PROMPT_EFFECT in r.scalars]
+            if counts:
+                effect = PromptEffect()
+                for c in counts:
+                    effect.add_counts(c)
+                state[PROMPT_EFFECT] = effect.as_dict(applicable=has_prompts(server.global_model()))
         held = {c: r.scalars["global"] for c, r in replies.items()}
         local = {
             c: r.scalars["local"]["counts"]
@@ -189,6 +220,18 @@ class ClientLocalRegime:
         state["correct"] = [r.correct for r in results]
         state["total"] = [r.total for r in results]
         return entry
+
+    def learned_tasks(self, state: dict[str, Any]) -> list[LearnedTask]:
+        """Task t's mean client accuracy right after it, its local test images and mean chance over clients."""
+        A, s = state["accuracy_matrix"], self.scenario
+        tests, tasks = s.client_test or [], s.client_tasks or []
+        out = []
+        for t in range(len(A)):
+            sizes = [len(tests[t][c]) for c in range(s.num_clients) if t < len(tests)]
+            chance = [100.0 / len(tasks[c][t]) for c in range(s.num_clients) if t < len(tasks[c]) and tasks[c][t]]
+            if sizes and chance:
+                out.append(LearnedTask(t, A[t][t], sum(sizes), sum(chance) / len(chance)))
+        return out
 
     def ask_every_client(self, msg: Message) -> tuple[dict[int, Message], list[int]]:
         """Every client's `evaluate` reply; silent clients are asked again (as retry attempts of the round)."""

@@ -13,7 +13,10 @@
 
 Every regime answers `init_state(state)`, `evaluate(server, task, rnd, last, state)` → the round's log entry,
 `finish(state)` → the metrics.json entries (`summary`, `accuracy_matrix`, …), `every_round` (also evaluate after
-rounds that end no task) and `round_stamp(last)` (scalars stamped on the round's messages before it runs).
+rounds that end no task), `round_stamp(last)` (scalars stamped on the round's messages before it runs) and, for the
+validity gate (`evaluation.validity`), `learned_tasks(state)` (each task's accuracy right after it was learned, its
+test size and chance) — its final evaluation also measures the final model(s) with and without prompts
+(`evaluation.prompt_effect`, kept in `state["prompt_effect"]`).
 """
 
 from __future__ import annotations
@@ -33,18 +36,34 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
+from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, has_prompts
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
+from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.protocol import Grid, ServerProgram
 from promptfcl.scenario.scenario import Scenario
 
 
 class ServerSideRegime:
-    """What the regimes that test on the server share: nothing is stamped on the round's messages."""
+    """What the regimes that test on the server share: nothing is stamped on the round's messages; the prompt
+    effect is measured on the server's final model(s)."""
 
     every_round = False  # also evaluate after rounds that end no task (`eval.every_round`)
+    backbone: nn.Module | None = None  # the run's frozen backbone (set by `build_regime`)
 
     def round_stamp(self, last: bool) -> dict[str, Any]:
         return {}
+
+    def measure_prompt_effect(self, models: list[tuple[nn.Module, Any]], state: dict[str, Any]) -> None:
+        """state["prompt_effect"] from (model, batches of (x, y, mask)) pairs, when the backbone can drop prompts."""
+        if self.backbone is None or not hasattr(self.backbone, "prompts_disabled"):
+            return
+        if not any(has_prompts(m) for m, _ in models):
+            state["prompt_effect"] = {"applicable": False}
+            return
+        effect = PromptEffect()
+        for model, batches in models:
+            compare_model(model, self.backbone, batches, effect)
+        state["prompt_effect"] = effect.as_dict()
 
 
 class ClassIncrementalRegime(ServerSideRegime):
@@ -74,7 +93,23 @@ class ClassIncrementalRegime(ServerSideRegime):
             state["total"] = [r.total for r in results]
             if self.class_groups is not None:
                 state["class_groups"] = entry["class_groups"]
+            if task == len(self.evaluator.subsets) - 1:
+                self.measure_prompt_effect([(server.global_model(), self.batches(task))], state)
         return entry
+
+    def batches(self, after: int) -> Any:
+        ev = self.evaluator
+        for t in range(after + 1):
+            mask = ev.scenario.label_space.eval_mask(t, after, ev.regime)
+            for x, y in ev.subsets[t].batches(ev.batch_size, ev.transform, device=ev.device):
+                yield x, y, mask
+
+    def learned_tasks(self, state: dict[str, Any]) -> list[LearnedTask]:
+        A, space = state["accuracy_matrix"], self.evaluator.scenario.label_space
+        return [
+            LearnedTask(t, A[t][t], len(self.evaluator.subsets[t]), 100.0 / len(space.tasks[t].logits))
+            for t in range(len(A))
+        ]
 
     def group_accuracy(self, results: list[Any]) -> dict[str, float]:
         """Overall / head / mid / tail accuracy over every evaluated task's test images."""
@@ -109,6 +144,15 @@ class SlotEvaluator:
         model.eval()
         sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), self.test.targets[idx])
         return torch.cat([model(x).cpu() for x, _ in sub.batches(self.batch_size, self.transform, device=self.device)])
+
+    def task_batches(self, g: int) -> Any:
+        """(images, logit targets, slot mask) batches of label-space task g's test images."""
+        space, idx = self.scenario.label_space, self.scenario.test_indices[g]
+        targets = space.task_class_to_logit(g)[self.test.targets[idx]]
+        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), targets)
+        mask = space.mask(space.tasks[g].logits)
+        for x, y in sub.batches(self.batch_size, self.transform, device=self.device):
+            yield x, y, mask
 
     def evaluate(self, models: dict[int, nn.Module], label_tasks: list[int]) -> list[dict[str, Any]]:
         """{label_task, client, client_task, correct, total, accuracy} per label-space task g, with `models[g]`."""
@@ -203,7 +247,18 @@ class SlotRegime(ServerSideRegime):
         results = self.evaluator.evaluate(models, tasks)
         for r in results:
             state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
+        if last and task == self.scenario.num_tasks - 1:
+            self.measure_prompt_effect([(models[g], self.evaluator.task_batches(g)) for g in tasks], state)
         return {"accuracy": {str(r["label_task"]): r["accuracy"] for r in results}}
+
+    def learned_tasks(self, state: dict[str, Any]) -> list[LearnedTask]:
+        points, s = points_from_log(state["evaluations"]), self.scenario
+        return [
+            LearnedTask(g, points[stage][g], len(s.test_indices[g]), 100.0 / len(s.label_space.tasks[g].logits))
+            for stage in range(len(points))
+            for g in s.finished_label_tasks(stage)
+            if g in points[stage]
+        ]
 
     def finish(self, state: dict[str, Any]) -> dict[str, Any]:
         log = state["evaluations"]
@@ -243,9 +298,26 @@ def build_regime(
     device: torch.device,
     grid: Grid | None = None,
     retries: int = 0,
+    backbone: nn.Module | None = None,
 ) -> ClassIncrementalRegime | SlotRegime | ClientLocalRegime:
     """The evaluation regime of a run: the one place `eval.regime` is dispatched (`grid`: the run's grid, which the
-    client_local regime sends its `evaluate` messages through, asking silent clients again `retries` times)."""
+    client_local regime sends its `evaluate` messages through, asking silent clients again `retries` times;
+    `backbone`: the frozen backbone, whose prompts the final evaluation switches off for the prompt effect)."""
+    regime = _build_regime(cfg, scenario, test, transform, device, grid, retries)
+    if isinstance(regime, ServerSideRegime):
+        regime.backbone = backbone
+    return regime
+
+
+def _build_regime(
+    cfg: EvalConfig,
+    scenario: Scenario,
+    test: ImageSplit,
+    transform: ImageTransform,
+    device: torch.device,
+    grid: Grid | None,
+    retries: int,
+) -> ClassIncrementalRegime | SlotRegime | ClientLocalRegime:
     kind = "personalized" if scenario.personalized else "asynchronous" if scenario.schedule is not None else "other"
     check_regime(cfg.regime, kind)
     if cfg.regime == "client_local" or (cfg.regime == "auto" and scenario.personalized):

@@ -129,8 +129,24 @@ class SupervisedClient(ClientProgram):
     def reply(self, model: torch.nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         """The upload: trained parameters, sample count and loss (methods add statistics here)."""
         return Message(
-            model.get_state(), {"num_samples": len(ctx.train_data), "loss": stats["loss"]}, kind="train_reply"
+            model.get_state(), {"num_samples": len(ctx.train_data), **loss_scalars(stats)}, kind="train_reply"
         )
+
+
+def loss_scalars(stats: dict[str, float]) -> dict[str, float]:
+    """The training-loss scalars a train reply carries: mean loss, final-epoch loss and ln K (when measured)."""
+    return {k: float(stats[k]) for k in ("loss", "last_loss", "chance_loss") if k in stats}
+
+
+def round_loss(replies: dict[int, Message]) -> dict[str, float]:
+    """The round's mean of its replies' loss scalars (`loss`, and `last_loss` / `chance_loss` when all carry them)."""
+    out: dict[str, float] = {}
+    for key in ("loss", "last_loss", "chance_loss"):
+        values = [float(r.scalars[key]) for r in replies.values() if key in r.scalars]
+        if values and (key == "loss" or len(values) == len(replies)):
+            out[key] = sum(values) / len(values)
+    out.setdefault("loss", float("nan"))
+    return out
 
 
 class FedAvgServer(ServerProgram):
@@ -153,8 +169,7 @@ class FedAvgServer(ServerProgram):
         # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
         usable = self.screen(usable, grid)
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
+        metrics = {**round_loss(usable), "clients": len(usable)}
         if usable:
             self.aggregate(usable)
             metrics.update(self.after_aggregate(usable, info))

@@ -23,7 +23,7 @@ class LocalTrainingParams(BaseModel):
     local_epochs: int = Field(5, gt=0)
     batch_size: int = Field(16, gt=0)
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, ge=0, description="0: the clients do not learn (a control the validity gate must flag)")
     momentum: float = Field(0.9, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     lr_schedule: Literal["constant", "cosine", "coda_cosine"] = Field(
@@ -97,7 +97,9 @@ def train_local(
     loss_fn: LossFn = masked_cross_entropy,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
-    """`p.local_epochs` epochs of minibatch training on `data`; returns mean loss and counts.
+    """`p.local_epochs` epochs of minibatch training on `data`; returns the mean loss, the final epoch's mean loss
+    (`last_loss`), ln K of the K logits that compete (`chance_loss`, a uniform guess's CE) and counts — the
+    validity gate's evidence that the client learned (`evaluation.validity`).
 
     A fresh optimizer is made from `p` unless `optimizer` (e.g. one restored from the client's state) is given.
     """
@@ -111,8 +113,9 @@ def train_local(
     )
     model.train()
     mask = mask.to(device)
-    total, steps = 0.0, 0
+    total, steps, epoch_total, epoch_steps = 0.0, 0, 0.0, 0
     for epoch in range(p.local_epochs):
+        epoch_total, epoch_steps = 0.0, 0
         if p.lr_schedule == "coda_cosine":
             for g in opt.param_groups:
                 g["lr"] = p.lr * coda_cosine_factor(epoch, p.local_epochs)
@@ -125,7 +128,19 @@ def train_local(
             opt.step()
             if sched is not None:
                 sched.step()
-            total += float(loss.detach())
-            steps += 1
+            value = float(loss.detach())
+            total, epoch_total = total + value, epoch_total + value
+            steps, epoch_steps = steps + 1, epoch_steps + 1
     model.eval()
-    return {"loss": total / max(steps, 1), "steps": steps, "samples": len(data)}
+    return {
+        "loss": total / max(steps, 1),
+        "last_loss": epoch_total / max(epoch_steps, 1),
+        "chance_loss": chance_loss(mask),
+        "steps": steps,
+        "samples": len(data),
+    }
+
+
+def chance_loss(mask: torch.Tensor) -> float:
+    """ln K, K the logits `mask` lets compete: the cross-entropy of a uniform guess."""
+    return math.log(max(int(mask.sum()), 1))

@@ -1,0 +1,106 @@
+"""How much a model's prompts (and adapters) change what it predicts: the validity gate's `prompt_effect`.
+
+Each test batch goes through the model twice: as it is, and inside `FrozenViT.prompts_disabled()`, where the
+frozen backbone ignores every prompt and adapter and gives exactly its prompt-free output while the head (and
+everything else) stays. Counted: predictions that change, accuracy with and without prompts, and — when the model
+exposes `features` and `head` — the mean 1 − cos between the prompted and prompt-free features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from promptfcl.scenario.label_space import masked_logits
+
+
+def has_prompts(model: nn.Module) -> bool:
+    """Whether the model injects anything into the backbone (`prompted` if it says so, else a non-empty `prompt`)."""
+    flag = getattr(model, "prompted", None)
+    if flag is not None:
+        return bool(flag)
+    prompt = getattr(model, "prompt", None)
+    return prompt is not None and any(p.numel() for p in prompt.parameters())
+
+
+@dataclass
+class PromptEffect:
+    """Running counts of the with / without prompts comparison."""
+
+    total: int = 0
+    changed: int = 0
+    correct_on: int = 0
+    correct_off: int = 0
+    shift_sum: float = 0.0
+    shift_n: int = 0
+
+    def add_predictions(self, on: torch.Tensor, off: torch.Tensor, y: torch.Tensor) -> None:
+        self.total += len(y)
+        self.changed += int((on != off).sum())
+        self.correct_on += int((on == y).sum())
+        self.correct_off += int((off == y).sum())
+
+    def add_counts(self, counts: dict[str, int | float]) -> None:
+        for k, v in counts.items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self, applicable: bool = True) -> dict[str, float | int | bool | None]:
+        pct = 100.0 / self.total if self.total else float("nan")
+        return {
+            "applicable": applicable,
+            "images": self.total,
+            "changed": self.changed * pct,
+            "accuracy": self.correct_on * pct,
+            "accuracy_off": self.correct_off * pct,
+            "feature_shift": self.shift_sum / self.shift_n if self.shift_n else None,
+        }
+
+
+@torch.no_grad()
+def compare_model(
+    model: nn.Module,
+    backbone: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    into: PromptEffect | None = None,
+) -> PromptEffect:
+    """Add `model`'s with / without prompts predictions on `batches` of (images, targets, logit mask)."""
+    effect = into or PromptEffect()
+    model.eval()
+    split = hasattr(model, "features") and hasattr(model, "head")
+    for x, y, mask in batches:
+        if split:
+            f_on = model.features(x)
+            with backbone.prompts_disabled():
+                f_off = model.features(x)
+            on, off = model.head(f_on), model.head(f_off)
+            effect.shift_sum += float((1 - F.cosine_similarity(f_on.float(), f_off.float(), dim=1)).sum())
+            effect.shift_n += len(x)
+        else:
+            on = model(x)
+            with backbone.prompts_disabled():
+                off = model(x)
+        mask = mask.to(on.device)
+        effect.add_predictions(masked_logits(on, mask).argmax(1), masked_logits(off, mask).argmax(1), y)
+    return effect
+
+
+@torch.no_grad()
+def compare_predict(
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    backbone: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    into: PromptEffect | None = None,
+) -> PromptEffect:
+    """The same for a bare predict function (images → logits), e.g. a client's personalized model."""
+    effect = into or PromptEffect()
+    for x, y, mask in batches:
+        on = predict(x)
+        with backbone.prompts_disabled():
+            off = predict(x)
+        mask = mask.to(on.device)
+        effect.add_predictions(masked_logits(on, mask).argmax(1), masked_logits(off, mask).argmax(1), y)
+    return effect
