@@ -19,6 +19,7 @@ from promptfcl.evaluation.validity import (
     gate,
 )
 from promptfcl.experiment import Experiment
+
 from .conftest import tiny_config
 
 
