@@ -1,10 +1,12 @@
 """The default engine: every selected client runs in this process, one after another, on one device.
 
 It owns client states (one `Record` per client, never shared) and delivers by copy (a client can never alias
-the server's tensors or another client's). A client that raises is dropped from the round with its error; each
-client is timed, so the base class can drop one over `engine.client_timeout`. Stamping, byte accounting and
-reply validation are the `Grid` base class's; `run_client` (context, per-(task, round, client) seed, injected
-fault, client program) is shared with every other engine.
+the server's tensors or another client's): each client gets its own copy of its message when it runs, so a
+round holds one downlink copy at a time however many clients it addresses. A client that raises is dropped
+from the round with its error; each client is timed, so the base class can drop one over
+`engine.client_timeout`. Stamping, byte accounting and reply validation are the `Grid` base class's;
+`run_client` (context, per-(task, round, client) seed, injected fault, client program) is shared with every
+other engine.
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ class InProcessGrid(Grid):
         for cid in sorted(messages):
             t0 = time.perf_counter()
             try:
-                reply = run_client(
-                    self.client, messages[cid], cid, self.states[cid], self.scenario, self.train, self.seed, self.device
-                )
+                reply = run_client(  # a private copy per client, made when it runs (one downlink copy alive)
+                    self.client, messages[cid].copy(), cid, self.states[cid], self.scenario, self.train, self.seed,
+                    self.device,
+                )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - any client-side error drops that client, with its reason
                 self.fail(cid, "error", describe_error(e))
                 continue

@@ -8,6 +8,7 @@ Nothing else crosses the boundary, so the same method file runs on every engine.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -145,8 +146,10 @@ class Grid(ABC):
         lost: set[int] = set()
         self._injected = set()
         plan = self.policy.faults
+        shared: dict[int, dict[str, torch.Tensor]] = {}  # one private copy of each distinct message's tensors
         for cid, msg in messages.items():
-            m = msg.copy()
+            tensors = shared.setdefault(id(msg), {k: v.detach().clone() for k, v in msg.tensors.items()})
+            m = Message(dict(tensors), copy.deepcopy(msg.scalars), kind=msg.kind)
             m.scalars.setdefault("task", self.round.task)
             m.scalars.setdefault("round", self.round.round)
             for k, v in self.stamp.items():
@@ -219,6 +222,11 @@ class Grid(ABC):
     @abstractmethod
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
         """Run/transport the (already stamped, privately owned) messages; return replies by client id.
+
+        The messages of one `send` that came from one message object (a broadcast) share their tensors, so a
+        round holds one copy of the downlink however many clients it addresses: an engine that hands a message to
+        code that may change it in place gives each client its own copy at delivery (`Message.copy`, as the
+        in-process engine does; serialising engines copy by construction).
 
         A client that raises or times out is left out of the result and recorded with `self.fail`; a client
         that simply does not answer is left out (the base class records it). Engines that time clients

@@ -180,7 +180,7 @@ class HePCoServer(PreviousTaskServer):
         out = []
         for r, c in zip(replies.values(), counts, strict=True):
             m = self.new_model().eval()
-            m.set_state({k: r.tensors[k] for k in m.state_dict()})
+            m.load_state_dict({k: r.tensors[k] for k in m.state_dict()}, assign=True)  # the reply's tensors, no copy
             m.requires_grad_(False)
             out.append(Teacher(m.head, lambda z, m=m: prompt_output(m, z), (c.double() / n_round).float()))
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,54 @@ def sample_labels(histogram: torch.Tensor, n: int, gen: torch.Generator) -> torc
     return torch.multinomial(histogram.double().cpu(), n, replacement=True, generator=gen)
 
 
+def backward_sum(
+    outputs: Sequence[torch.Tensor],
+    terms: Sequence[Callable[..., torch.Tensor]],
+    inputs: Sequence[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Backpropagate Σ_k terms[k](*outputs) one term at a time; return the sum's value (detached).
+
+    Each term is evaluated on detached copies of `outputs` and backpropagated at once, so only one term's graph
+    is alive at a time (HePCo's generator loss holds one client teacher's graph, not all of them); the gradients
+    it leaves on those copies are summed, then pushed through the shared graph behind `outputs` once. By
+    linearity this is the gradient of the summed loss (equal up to float summation order). Gradients accumulate
+    into `inputs` only when given (else into every leaf of the graph, as `Tensor.backward`).
+    """
+    leaves = [o.detach().requires_grad_(o.requires_grad) for o in outputs]
+    total: torch.Tensor | None = None
+    for term in terms:
+        loss = term(*leaves)
+        if loss.requires_grad:
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    pairs = [(o, leaf.grad) for o, leaf in zip(outputs, leaves, strict=True) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=inputs)
+    return total if total is not None else torch.zeros(())
+
+
+def disagreement(
+    t: Teacher,
+    y: torch.Tensor,
+    cols: torch.Tensor,
+    remap: torch.Tensor,
+    lambda_kl: float,
+    lambda_mse: float,
+    z: torch.Tensor,
+    s_logp: torch.Tensor,
+    s_prompt: torch.Tensor,
+) -> torch.Tensor:
+    """One teacher's term of the generator loss, Σ_batch w_t(y)·(CE(φ_t(z), y) − λ_KL·KL(φ_t ‖ φ_s) −
+    λ_MSE·‖ρ_s − ρ_t‖²), with logits restricted to the columns `cols` (labels remapped by `remap`)."""
+    w = t.weight.to(z.device)[y]
+    t_logits = t.logits(z)[:, cols]
+    ce = F.cross_entropy(t_logits, remap[y], reduction="none")
+    t_logp = F.log_softmax(t_logits, dim=1)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(1)
+    mse = (s_prompt - t.prompts(z)).pow(2).flatten(1).sum(1)
+    return (w * (ce - lambda_kl * kl - lambda_mse * mse)).sum()
+
+
 def train_generator(
     generator: LatentGenerator,
     teachers: Sequence[Teacher],
@@ -73,7 +122,8 @@ def train_generator(
     """Minimise Σ_t w_t·CE(φ_t(z), y) − λ_KL Σ_t w_t·KL(φ_t(z) ‖ φ_s(z)) − λ_MSE Σ_t w_t·‖ρ_s(z) − ρ_t(z)‖².
 
     Sums over the batch (HePCo code); logits restricted to `allowed` (the seen classes). Only the generator is
-    updated. Returns the loss of every iteration.
+    updated. The sum over teachers is backpropagated one teacher at a time (`backward_sum`), so memory does not
+    grow with their number. Returns the loss of every iteration.
     """
     opt = torch.optim.Adam(generator.parameters(), lr=lr)
     generator.train()
@@ -82,23 +132,16 @@ def train_generator(
     cols = torch.nonzero(allowed).flatten()  # logits outside `allowed` are dropped, not set to -inf: the KL
     remap = torch.full((len(allowed),), -1, dtype=torch.long, device=device)  # gradient would be NaN there
     remap[cols] = torch.arange(len(cols), device=device)
+    params = list(generator.parameters())
     for _ in range(iterations):
         y = sample_labels(histogram, batch_size, gen).to(device)
         z = generator(y)
         s_logp = F.log_softmax(student_logits(z)[:, cols], dim=1)
         s_prompt = student_prompts(z)
-        loss = z.new_zeros(())
-        for t in teachers:
-            w = t.weight.to(device)[y]
-            t_logits = t.logits(z)[:, cols]
-            ce = F.cross_entropy(t_logits, remap[y], reduction="none")
-            t_logp = F.log_softmax(t_logits, dim=1)
-            kl = (t_logp.exp() * (t_logp - s_logp)).sum(1)
-            mse = (s_prompt - t.prompts(z)).pow(2).flatten(1).sum(1)
-            loss = loss + (w * (ce - lambda_kl * kl - lambda_mse * mse)).sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        terms = [partial(disagreement, t, y, cols, remap, lambda_kl, lambda_mse) for t in teachers]
+        loss = backward_sum([z, s_logp, s_prompt], terms, params)
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss))
     generator.eval()
     return losses

@@ -1,0 +1,198 @@
+"""Memory flat in the number of clients: one downlink copy per round, HePCo's teachers on the replies' own tensors,
+and the generator loss backpropagated one teacher at a time with the gradient of the summed loss."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from promptfcl.federation.inprocess import InProcessGrid
+from promptfcl.federation.message import Message
+from promptfcl.federation.protocol import ClientContext, ClientProgram, RoundInfo
+from promptfcl.runtime import Runtime
+from promptfcl.training.latent_generator import (
+    LatentGenerator,
+    Teacher,
+    backward_sum,
+    disagreement,
+    train_generator,
+)
+
+from .conftest import tiny_config
+
+D, C = 12, 5
+
+
+def tiny_teachers(n: int, seed: int) -> tuple[list[Teacher], nn.Module, nn.Module]:
+    """`n` teachers (linear head, tanh prompt map) and a student of the same form."""
+    g = torch.Generator().manual_seed(seed)
+
+    def member() -> tuple[nn.Linear, nn.Linear]:
+        head, prompt = nn.Linear(D, C), nn.Linear(D, 2 * D)
+        with torch.no_grad():
+            for p in [*head.parameters(), *prompt.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g))
+        return head, prompt
+
+    teachers = []
+    for k in range(n):
+        head, prompt = member()
+        head.requires_grad_(False), prompt.requires_grad_(False)
+        w = torch.rand(C, generator=g) + 0.1 * k
+        teachers.append(Teacher(head, lambda z, p=prompt: torch.tanh(p(z)), w))
+    s_head, s_prompt = member()
+    return teachers, s_head, lambda z: torch.tanh(s_prompt(z))
+
+
+def summed_loss(teachers, s_logits, s_prompts, z, y, allowed) -> torch.Tensor:
+    """The generator loss as it was written before the change: every teacher's term in one graph."""
+    cols = torch.nonzero(allowed).flatten()
+    remap = torch.full((len(allowed),), -1, dtype=torch.long)
+    remap[cols] = torch.arange(len(cols))
+    s_logp = F.log_softmax(s_logits(z)[:, cols], dim=1)
+    s_prompt = s_prompts(z)
+    loss = z.new_zeros(())
+    for t in teachers:
+        t_logits = t.logits(z)[:, cols]
+        ce = F.cross_entropy(t_logits, remap[y], reduction="none")
+        t_logp = F.log_softmax(t_logits, dim=1)
+        kl = (t_logp.exp() * (t_logp - s_logp)).sum(1)
+        mse = (s_prompt - t.prompts(z)).pow(2).flatten(1).sum(1)
+        loss = loss + (t.weight[y] * (ce - 1.0 * kl - 0.1 * mse)).sum()
+    return loss
+
+
+ALLOWED = torch.tensor([True, True, False, True, True])
+HIST = torch.tensor([3.0, 1.0, 0.0, 2.0, 1.0])
+
+
+def grads_of_one_step(per_teacher: bool) -> tuple[dict[str, torch.Tensor], float]:
+    teachers, s_head, s_prompts = tiny_teachers(4, 0)
+    torch.manual_seed(0)
+    g = LatentGenerator(C, D).train()
+    y = torch.multinomial(HIST, 32, replacement=True, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    z = g(y)
+    if per_teacher:
+        cols = torch.nonzero(ALLOWED).flatten()
+        remap = torch.full((C,), -1, dtype=torch.long)
+        remap[cols] = torch.arange(len(cols))
+        outputs = [z, F.log_softmax(s_head(z)[:, cols], dim=1), s_prompts(z)]
+        terms = [partial(disagreement, t, y, cols, remap, 1.0, 0.1) for t in teachers]
+        loss = backward_sum(outputs, terms, list(g.parameters()))
+    else:
+        loss = summed_loss(teachers, s_head, s_prompts, z, y, ALLOWED)
+        loss.backward()
+    return {k: p.grad.clone() for k, p in g.named_parameters()}, float(loss.detach())
+
+
+def test_generator_gradient_one_teacher_at_a_time_equals_the_summed_loss_gradient() -> None:
+    per_teacher, loss_a = grads_of_one_step(True)
+    summed, loss_b = grads_of_one_step(False)
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    scale = max(float(g.abs().max()) for g in summed.values())  # biases before a BatchNorm get ~0 (noise)
+    for name, a in per_teacher.items():
+        b = summed[name]
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * scale), (
+            f"{name}: max diff {float((a - b).abs().max())} of max {float(b.abs().max())}"
+        )
+
+
+def test_train_generator_follows_the_summed_loss_training() -> None:
+    teachers, s_head, s_prompts = tiny_teachers(4, 0)
+    torch.manual_seed(0)
+    g = LatentGenerator(C, D)
+    ref, start = copy.deepcopy(g), copy.deepcopy(g)
+    torch.manual_seed(1)
+    train_generator(
+        g, teachers, s_head, s_prompts, HIST, ALLOWED, 3, 16, 1e-3, 1.0, 0.1, torch.Generator().manual_seed(2)
+    )
+    torch.manual_seed(1)  # the same noise draws
+    opt, gen = torch.optim.Adam(ref.parameters(), lr=1e-3), torch.Generator().manual_seed(2)
+    ref.train()
+    for _ in range(3):
+        y = torch.multinomial(HIST.double(), 16, replacement=True, generator=gen)
+        loss = summed_loss(teachers, s_head, s_prompts, ref(y), y, ALLOWED)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    # the biases right before a BatchNorm (and the running means that track them) get a zero gradient up to
+    # rounding, which Adam turns into ±lr steps; they do not change the train-mode output, so they are left out
+    noise = {"net.0.bias", "net.3.bias", "net.1.running_mean", "net.4.running_mean"}
+    for (name, a), b, a0 in zip(
+        g.state_dict().items(), ref.state_dict().values(), start.state_dict().values(), strict=True
+    ):
+        if name in noise:
+            continue
+        if name.endswith("weight"):
+            assert float((a - a0).abs().max()) > 1e-3, name  # it trained
+        assert torch.allclose(a.float(), b.float(), atol=2e-5), f"{name}: max diff {float((a - b).abs().max())}"
+
+
+def test_backward_sum_gives_the_summed_loss_gradient_including_the_shared_path() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(4, 3)
+    targets = [torch.randn(6, 3) for _ in range(3)]
+
+    def shared() -> tuple[torch.Tensor, torch.Tensor]:  # the graph every term shares (generator and student)
+        a = torch.tanh(x @ w)
+        return a, a.pow(2).sum(1)
+
+    def term(t: torch.Tensor):
+        return lambda a, b: ((a - t).pow(2).sum(1) * b).sum()
+
+    total = backward_sum(list(shared()), [term(t) for t in targets], [x])
+    got, x.grad = x.grad.clone(), None
+    a, b = shared()
+    expect = sum(term(t)(a, b) for t in targets)
+    expect.backward()
+    assert torch.allclose(got, x.grad, rtol=1e-5, atol=1e-6), float((got - x.grad).abs().max())
+    assert torch.allclose(total, expect.detach())
+
+
+class AddOne(ClientProgram):
+    """Adds one, in place, to the tensor it receives and sends it back (a client that mutates its message)."""
+
+    message_kinds: ClassVar[tuple[str, ...]] = ("train",)
+
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        message.tensors["w"].add_(1)
+        return Message({"w": message.tensors["w"]}, {"num_samples": 1, "loss": 0.0}, kind="train_reply")
+
+
+class PeekingGrid(InProcessGrid):
+    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        self.delivered = dict(messages)
+        return super()._deliver(messages)
+
+
+def test_a_broadcast_holds_one_downlink_copy_and_every_client_still_gets_its_own() -> None:
+    rt = Runtime.build(tiny_config())
+    grid = PeekingGrid(AddOne(rt.env, None, None), rt.scenario, rt.dataset.train, 0, rt.device)
+    grid.start_round(RoundInfo(0, 0, (0, 1, 2)))
+    sent = Message({"w": torch.zeros(3)}, kind="train")
+    replies = grid.broadcast([0, 1, 2], sent)
+    ptrs = {m.tensors["w"].data_ptr() for m in grid.delivered.values()}
+    assert len(ptrs) == 1, "the stamped messages of one broadcast should share one copy of its tensors"
+    assert sent.tensors["w"].data_ptr() not in ptrs, "the server's own tensors must not travel"
+    for c, r in replies.items():  # each client mutated its own private copy: no client saw another's change
+        assert torch.equal(r.tensors["w"], torch.ones(3)), (c, r.tensors["w"])
+    assert torch.equal(sent.tensors["w"], torch.zeros(3))
+
+
+def test_hepco_teachers_use_the_reply_tensors_without_copying() -> None:
+    raw_method = {"name": "hepco", "pool_size": 4, "length": 2, "layers": [0], "augment": "flip"}
+    rt = Runtime.build(tiny_config(method=raw_method))
+    server = rt.programs()[0]
+    counts = torch.ones(rt.scenario.label_space.num_logits, dtype=torch.long)
+    replies = {k: Message({**server.model.get_state(), "label_counts": counts.clone()}, {}) for k in range(3)}
+    teachers = server.teachers(replies, torch.stack([counts] * 3))
+    for t, r in zip(teachers, replies.values(), strict=True):
+        assert t.logits.weight.data_ptr() == r.tensors["head.weight"].data_ptr()
+        assert not t.logits.weight.requires_grad
