@@ -194,6 +194,7 @@ class BackboneConfig(StrictModel):
         return os.path.expandvars(v) if v else v
 
 
+Precision = Literal["fp32", "bf16", "fp16"]
 FaultKind = Literal["raise", "slow", "nonfinite", "bad_schema", "no_reply"]
 
 
@@ -247,6 +248,12 @@ class EngineConfig(StrictModel):
         description="also log every round's scalars and the final summary for TensorBoard under RUN_DIR/tb/ "
         "(needs the promptfcl[tracking] extra)",
     )
+    precision: Precision = Field(
+        "fp32",
+        description="fp32 | bf16 | fp16: autocast dtype of the frozen backbone's forward and backward (trainable "
+        "tensors stay float32; fp16 adds loss scaling; fp16 is refused on the CPU)",
+    )
+    compile: bool = Field(False, description="torch.compile the backbone's forward (first batches compile)")
 
     @model_validator(mode="after")
     def _slow_needs_timeout(self) -> EngineConfig:

@@ -101,7 +101,9 @@ class Experiment:
             plot_task_timeline(self.scenario.schedule, self.scenario.owners, self.run_dir / "scenario_timeline.png")
         if self.scenario.personalized:
             plot_client_tasks(self.scenario.client_task_matrix(), self.run_dir / "scenario_client_tasks.png")
-        (self.run_dir / "environment.json").write_text(json.dumps(environment_info(), indent=2))
+        e = self.cfg.engine
+        engine = {"device": str(self.device), "precision": e.precision, "compile": e.compile}
+        (self.run_dir / "environment.json").write_text(json.dumps({**environment_info(), "engine": engine}, indent=2))
 
     # ------------------------------------------------------------------------------------------- run
     def run(self, resume: bool = False) -> dict[str, Any]:
@@ -252,6 +254,7 @@ class Experiment:
                 "mb_per_round": (up + down) / max(len(rounds), 1) / 1e6,
             },
             "timing": timing,
+            "precision": self.cfg.engine.precision,
         }
         if self.scenario.upper_bound is not None:  # reports label the row as an upper bound, not a method
             metrics["upper_bound"] = self.scenario.upper_bound

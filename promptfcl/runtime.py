@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ValidationError
 
+from promptfcl.backbones.precision import compile_problem, precision_problem
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
@@ -124,7 +125,7 @@ def _check_eval(cfg: ExperimentConfig) -> None:
 
 
 def _check_engine(cfg: ExperimentConfig) -> None:
-    """The fault plan and the quorum must fit the scenario."""
+    """The fault plan and the quorum must fit the scenario; the precision and compilation must run on the device."""
     sc, problems = cfg.scenario, []
     clients = sc.num_clients * sc.rounds_per_task if sc.partition.kind == "hepco" else sc.num_clients
     for i, f in enumerate(cfg.engine.faults):
@@ -135,6 +136,10 @@ def _check_engine(cfg: ExperimentConfig) -> None:
             problems.append(f"{key}.tasks: the scenario has tasks 0..{sc.num_tasks - 1}; remove {max(f.tasks)}")
         if f.rounds and max(f.rounds) >= sc.rounds_per_task:
             problems.append(f"{key}.rounds: a task has rounds 0..{sc.rounds_per_task - 1}; remove {max(f.rounds)}")
+    device = resolve_device(cfg) if cfg.engine.device != "cuda" or torch.cuda.is_available() else None
+    if device is not None:  # (a missing GPU is reported when the device is resolved)
+        problems += [p for p in (precision_problem(cfg.engine.precision, device),) if p]
+        problems += [p for p in (compile_problem(device) if cfg.engine.compile else None,) if p]
     if problems:
         raise ConfigError("invalid engine section:\n  " + "\n  ".join(problems))
 
@@ -188,15 +193,19 @@ def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
 
 
 def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> Any:
-    """One frozen backbone per (config, device) in this process, shared by every client and every run."""
-    key = json.dumps([cfg.backbone.model_dump(mode="json"), str(device)], sort_keys=True)
+    """One frozen backbone per (config, device, precision, compile) in this process, shared by every client and
+    every run."""
+    e = cfg.engine
+    key = json.dumps([cfg.backbone.model_dump(mode="json"), str(device), e.precision, e.compile], sort_keys=True)
     if key not in _BACKBONES:
         if cfg.backbone.kind == "clip":
             from promptfcl.backbones.clip import build_clip
 
-            _BACKBONES[key] = build_clip(cfg.backbone).to(device)
+            backbone = build_clip(cfg.backbone).to(device)
         else:
-            _BACKBONES[key] = build_vit(cfg.backbone).to(device)
+            backbone = build_vit(cfg.backbone).to(device)
+        backbone.configure(e.precision, e.compile)
+        _BACKBONES[key] = backbone
     return _BACKBONES[key]
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from promptfcl.backbones.precision import Precision, autocast
 from promptfcl.backbones.vit import BackboneError, read_state_dict
 from promptfcl.config import BackboneConfig
 
@@ -78,6 +79,7 @@ class FrozenCLIP(nn.Module):
         for p in self.clip.parameters():
             p.requires_grad_(False)
         self._tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=model.context_length)
+        self.configure()
 
     # ------------------------------------------------------------------------------------------ shape
     @property
@@ -126,6 +128,12 @@ class FrozenCLIP(nn.Module):
             x = blk(x, attn_mask=mask) if batch_first else blk(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
         return x
 
+    def configure(self, precision: Precision = "fp32", compile: bool = False) -> None:
+        """Run both towers under `precision`'s autocast (`backbones.precision`), through `torch.compile` if asked."""
+        self.precision = precision
+        self._text = torch.compile(FrozenCLIP._encode_text) if compile else FrozenCLIP._encode_text
+        self._image = torch.compile(FrozenCLIP._encode_image) if compile else FrozenCLIP._encode_image
+
     def encode_text(
         self,
         embeds: torch.Tensor,
@@ -133,7 +141,17 @@ class FrozenCLIP(nn.Module):
         deep: dict[int, tuple[int, torch.Tensor]] | None = None,
         normalize: bool = True,
     ) -> torch.Tensor:
-        """Text features (N, embed_dim) from token embeddings (N, L, w) whose ids are `tokens` (N, L)."""
+        """Text features (N, embed_dim), float32, from token embeddings (N, L, w) whose ids are `tokens` (N, L)."""
+        with autocast(embeds.device.type, self.precision):
+            return self._text(self, embeds, tokens, deep, normalize).float()
+
+    def _encode_text(
+        self,
+        embeds: torch.Tensor,
+        tokens: torch.Tensor,
+        deep: dict[int, tuple[int, torch.Tensor]] | None,
+        normalize: bool,
+    ) -> torch.Tensor:
         m = self.clip
         eot = tokens.argmax(dim=-1)
         length = int(eot.max()) + 1  # causal mask: positions after the last EOT never reach an EOT feature
@@ -159,7 +177,12 @@ class FrozenCLIP(nn.Module):
     def encode_image(
         self, x: torch.Tensor, prompts: dict[int, torch.Tensor] | None = None, normalize: bool = True
     ) -> torch.Tensor:
-        """Image features (B, embed_dim); `prompts[j]` (n, width) are MaPLe's deep vision prompts of layer j."""
+        """Image features (B, embed_dim), float32; `prompts[j]` (n, width) are MaPLe's deep vision prompts of
+        layer j."""
+        with autocast(x.device.type, self.precision):
+            return self._image(self, x, prompts, normalize).float()
+
+    def _encode_image(self, x: torch.Tensor, prompts: dict[int, torch.Tensor] | None, normalize: bool) -> torch.Tensor:
         v = self.clip.visual
         if not prompts:
             out = v(x)

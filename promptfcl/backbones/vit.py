@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from promptfcl.backbones.hybrid import has_stem
+from promptfcl.backbones.precision import Precision, autocast
 from promptfcl.backbones.prompt_spec import PromptSpec
 from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.config import BackboneConfig
@@ -63,6 +64,7 @@ class FrozenViT(nn.Module):
     the input image, so it is kept per input content (an image and its flip are two entries) and every later
     forward of that image — another epoch, round, client or evaluation — skips the stem.
     `prompts_disabled()`: within it every forward ignores its `PromptSpec` (the validity gate's prompt-free pass).
+    `configure(precision, compile)`: `engine.precision` / `engine.compile` (set by the runtime).
     """
 
     def __init__(self, vit: nn.Module, stem_cache_mb: float | None = None) -> None:
@@ -82,6 +84,7 @@ class FrozenViT(nn.Module):
             n, d = vit.patch_embed.num_patches, self.embed_dim
             self.stem_cache = QueryCache(max(1, int(stem_cache_mb * 2**20 // (4 * n * d))), per_sample=True)
         self._prompts_off = False
+        self.configure()
 
     @property
     def embed_dim(self) -> int:
@@ -107,8 +110,17 @@ class FrozenViT(nn.Module):
         finally:
             self._prompts_off = before
 
+    def configure(self, precision: Precision = "fp32", compile: bool = False) -> None:
+        """Run every forward under `precision`'s autocast (`backbones.precision`), through `torch.compile` if asked."""
+        self.precision = precision
+        self._run = torch.compile(FrozenViT._tokens) if compile else FrozenViT._tokens
+
     def tokens(self, x: torch.Tensor, spec: PromptSpec | None = None) -> torch.Tensor:
-        """All output tokens after the final norm, (B, N, d); prompt tokens keep their positions."""
+        """All output tokens after the final norm, (B, N, d), float32; prompt tokens keep their positions."""
+        with autocast(x.device.type, self.precision):
+            return self._run(self, x, spec).float()
+
+    def _tokens(self, x: torch.Tensor, spec: PromptSpec | None = None) -> torch.Tensor:
         vit = self.vit
         if self._prompts_off:
             spec = None

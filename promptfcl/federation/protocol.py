@@ -146,10 +146,8 @@ class Grid(ABC):
         lost: set[int] = set()
         self._injected = set()
         plan = self.policy.faults
-        shared: dict[int, dict[str, torch.Tensor]] = {}  # one private copy of each distinct message's tensors
-        for cid, msg in messages.items():
-            tensors = shared.setdefault(id(msg), {k: v.detach().clone() for k, v in msg.tensors.items()})
-            m = Message(dict(tensors), copy.deepcopy(msg.scalars), kind=msg.kind)
+        for cid, msg in messages.items():  # own scalars; tensors shared with `msg` until the engine delivers
+            m = Message(dict(msg.tensors), copy.deepcopy(msg.scalars), kind=msg.kind)
             m.scalars.setdefault("task", self.round.task)
             m.scalars.setdefault("round", self.round.round)
             for k, v in self.stamp.items():
@@ -221,12 +219,12 @@ class Grid(ABC):
 
     @abstractmethod
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        """Run/transport the (already stamped, privately owned) messages; return replies by client id.
+        """Run/transport the (already stamped) messages; return replies by client id.
 
-        The messages of one `send` that came from one message object (a broadcast) share their tensors, so a
-        round holds one copy of the downlink however many clients it addresses: an engine that hands a message to
-        code that may change it in place gives each client its own copy at delivery (`Message.copy`, as the
-        in-process engine does; serialising engines copy by construction).
+        The stamped messages share their tensors with the messages the server passed to `send` (a broadcast's
+        with one another), so a round holds no per-client copy of the downlink: an engine gives each client its own
+        copy when it delivers (`Message.copy` just before the client runs, as the in-process engine does;
+        serialising engines copy by construction), so no client can change the server's or another's tensors.
 
         A client that raises or times out is left out of the result and recorded with `self.fail`; a client
         that simply does not answer is left out (the base class records it). Engines that time clients

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from promptfcl.backbones.precision import Precision, autocast
 from promptfcl.federation.protocol import MethodEnv
 from promptfcl.methods.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
 from promptfcl.methods.registry import register_method
@@ -35,20 +36,22 @@ class FullFineTuneParams(FedAvgParams):
 class FineTunedClassifier(ExchangedModel):
     """A trainable copy of the backbone's ViT plus a linear head; `state_dict` is the whole network."""
 
-    def __init__(self, vit: nn.Module, num_logits: int) -> None:
+    def __init__(self, vit: nn.Module, num_logits: int, precision: Precision = "fp32") -> None:
         super().__init__()
         self.vit = copy.deepcopy(vit).requires_grad_(True)
         self.head = nn.Linear(int(self.vit.embed_dim), num_logits)
+        self.precision = precision  # engine.precision: the ViT runs under autocast, its weights stay float32
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.vit.forward_head(self.vit.forward_features(x), pre_logits=True)
+        with autocast(x.device.type, self.precision):
+            return self.vit.forward_head(self.vit.forward_features(x), pre_logits=True).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
 
 def build_model(env: MethodEnv, p: FullFineTuneParams) -> FineTunedClassifier:
-    return FineTunedClassifier(env.backbone.vit, env.label_space.num_logits)
+    return FineTunedClassifier(env.backbone.vit, env.label_space.num_logits, env.backbone.precision)
 
 
 register_method(

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.prompt_spec import PromptSpec
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
@@ -151,6 +152,7 @@ def distill_pool(
         t.eval().requires_grad_(False)
     params = list(student.parameters())
     opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    scaler = LossScaler(backbone.precision, device)  # fp16: loss scaling through the backbone
     losses = []
     for _ in range(epochs):
         total, n = 0.0, 0
@@ -161,8 +163,8 @@ def distill_pool(
             out = backbone.tokens(x, student(x.shape[0], q))
             loss = sum(F.mse_loss(out, tgt) for tgt in targets)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            scaler.backward(loss)
+            scaler.step(opt, params, None)
             total += float(loss.detach()) * len(x)
             n += len(x)
         losses.append(total / max(n, 1))

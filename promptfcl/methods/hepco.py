@@ -36,6 +36,7 @@ reflection-padded translation, not RandomResizedCrop; clients upload only traina
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,13 @@ from promptfcl.model import PromptedClassifier
 from promptfcl.prompts.weighted_pool import WeightedPool
 from promptfcl.seeding import seed_everything, torch_generator
 from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_counts
-from promptfcl.training.latent_generator import LatentGenerator, Teacher, sample_labels, train_generator
+from promptfcl.training.latent_generator import (
+    LatentGenerator,
+    Teacher,
+    backward_sum,
+    sample_labels,
+    train_generator,
+)
 
 
 class WeightedPoolParams(PoolTrainingParams):
@@ -95,6 +102,11 @@ def prompt_output(model: PromptedClassifier, z: torch.Tensor) -> torch.Tensor:
     spec = model.prompt(len(z), F.normalize(z, dim=1))
     parts = [t.expand(len(z), -1, -1) for layer in sorted(spec.prefix) for t in spec.prefix[layer]]
     return torch.cat(parts, dim=1)
+
+
+def prompt_gap(t: Teacher, y: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """One client's term of stage A (Eq. 8): Σ_batch w_c(y)·‖s − ρ_c(z)‖², `s` the student's ρ_s(z)."""
+    return (t.weight.to(s.device)[y] * (s - t.prompts(z)).pow(2).flatten(1).sum(1)).sum()
 
 
 @torch.no_grad()
@@ -180,7 +192,9 @@ class HePCoServer(PreviousTaskServer):
         out = []
         for r, c in zip(replies.values(), counts, strict=True):
             m = self.new_model().eval()
-            m.load_state_dict({k: r.tensors[k] for k in m.state_dict()}, assign=True)  # the reply's tensors, no copy
+            state = m.state_dict()
+            m.set_state({k: r.tensors[k] for k in state})
+            r.tensors.update(state)  # the teacher takes over: the reply's own copy is freed, not held twice
             m.requires_grad_(False)
             out.append(Teacher(m.head, lambda z, m=m: prompt_output(m, z), (c.double() / n_round).float()))
         return out
@@ -238,19 +252,19 @@ class HePCoServer(PreviousTaskServer):
 
     def distill_prompts(self, latents: LatentBatches, teachers: list[Teacher]) -> float:
         """Eq. 8, stage A (prompts only): Σ_c w_c‖ρ_s(z_new) − ρ_c(z_new)‖² + ‖ρ_s(z_old) − ρ_prev(z_old)‖²."""
-        p, dev, student = self.params, self.env.device, self.model
+        p, student = self.params, self.model
         opt = torch.optim.Adam(student.prompt.parameters(), lr=p.kd_lr)
         loss = torch.zeros(())
         for _ in range(p.kd_iterations):
             z_new, y_new, z_old, _ = latents.draw()
-            s_new = prompt_output(student, z_new)
-            loss = sum(
-                (t.weight.to(dev)[y_new] * (s_new - t.prompts(z_new)).pow(2).flatten(1).sum(1)).sum() for t in teachers
-            )  # type: ignore[assignment]
-            if z_old is not None and latents.old_teacher is not None:
-                loss = loss + (prompt_output(student, z_old) - latents.old_teacher.prompts(z_old)).pow(2).sum()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            # the clients' terms backpropagated one teacher at a time (memory flat in their number)
+            terms = [partial(prompt_gap, t, y_new, z_new) for t in teachers]
+            loss = backward_sum([prompt_output(student, z_new)], terms)
+            if z_old is not None and latents.old_teacher is not None:
+                old = (prompt_output(student, z_old) - latents.old_teacher.prompts(z_old)).pow(2).sum()
+                old.backward()
+                loss = loss + old.detach()
             opt.step()
         return float(loss.detach())
 

@@ -51,7 +51,11 @@ def backbone_label(cfg: dict[str, Any]) -> str:
         if b.get("weights")
         else (hub if b.get("pretrained") else "**RANDOM INIT (no pretrained weights)**")
     )
-    return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}"
+    e = cfg.get("engine", {})
+    precision = e.get("precision", "fp32")
+    run = f", {precision}" if precision != "fp32" else ""
+    run += ", compiled" if e.get("compile") else ""
+    return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}{run}"
 
 
 def scenario_label(cfg: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
@@ -60,6 +61,7 @@ def train_compensation(
     probe = LabeledSubset(data.split, data.indices[:n], data.targets[:n])
     before = mean_nll(backbone, prompts, probe, index_of, mean, var, transform, device, eps) if n else float("nan")
     opt = torch.optim.Adam(prompts.parameters(), lr=lr)
+    scaler = LossScaler(backbone.precision, device)  # fp16: loss scaling through the backbone
     mean, var = mean.to(device), var.to(device)
     for _ in range(epochs):
         for x, y in data.batches(batch_size, transform, generator, shuffle=True, device=device):
@@ -70,7 +72,7 @@ def train_compensation(
             x, i = x[keep], i[keep]
             loss = gaussian_nll(backbone(x, prompts.spec(i)), mean[i], var[i], eps).mean()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            scaler.backward(loss)
+            scaler.step(opt, prompts.parameters(), None)
     after = mean_nll(backbone, prompts, probe, index_of, mean.cpu(), var.cpu(), transform, device, eps) if n else None
     return {} if after is None else {"lcdc_nll_before": before, "lcdc_nll_after": after}

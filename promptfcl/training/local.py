@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from promptfcl.backbones.precision import LossScaler
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import Augment, ImageTransform
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
@@ -113,28 +114,29 @@ def train_local(
     )
     model.train()
     mask = mask.to(device)
-    total, steps, epoch_total, epoch_steps = 0.0, 0, 0.0, 0
+    scaler = LossScaler.for_model(model, device)  # fp16: dynamic loss scaling; otherwise plain backward / step
+    # loss sums stay on the device (float64: the same sums as Python floats), read once: no sync per step on a GPU
+    total = epoch_total = torch.zeros((), dtype=torch.float64, device=device)
+    steps = epoch_steps = 0
     for epoch in range(p.local_epochs):
-        epoch_total, epoch_steps = 0.0, 0
+        epoch_total, epoch_steps = torch.zeros((), dtype=torch.float64, device=device), 0
         if p.lr_schedule == "coda_cosine":
             for g in opt.param_groups:
                 g["lr"] = p.lr * coda_cosine_factor(epoch, p.local_epochs)
         for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
             loss = loss_fn(model, x, y, mask)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if p.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, p.grad_clip)
-            opt.step()
+            scaler.backward(loss)
+            scaler.step(opt, params, p.grad_clip)
             if sched is not None:
                 sched.step()
-            value = float(loss.detach())
+            value = loss.detach().double()
             total, epoch_total = total + value, epoch_total + value
             steps, epoch_steps = steps + 1, epoch_steps + 1
     model.eval()
     return {
-        "loss": total / max(steps, 1),
-        "last_loss": epoch_total / max(epoch_steps, 1),
+        "loss": float(total) / max(steps, 1),
+        "last_loss": float(epoch_total) / max(epoch_steps, 1),
         "chance_loss": chance_loss(mask),
         "steps": steps,
         "samples": len(data),
