@@ -15,15 +15,27 @@ pool):
 2. **Server step per round**: the server's share of a round (aggregation plus its own step: HGP's head
    rebalancing on sampled features, HePCo's generator training and distillation) from a short in-process run
    on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one).
-3. **Peak RSS** of a whole run (2 tasks x 1 round, 4 images per client, HePCo on its CPU-preset server schedule)
-   with 1 and with 50 simulated clients, each in its own subprocess (`--quick`: `fedavg_prompt` only).
+3. **Peak RSS** of a whole run with 1 and with 50 simulated clients, each in its own subprocess, for every
+   registered method on its own scenario family (class-incremental: 2 tasks x 1 round, 4 images per client;
+   C2Prompt / the direct reference on Powder's asynchronous switching; FedMGP on its personalized split; CAPT
+   and the CLIP baselines on one long-tailed task with a tiny random-init CLIP; HePCo on its CPU-preset server
+   schedule, its paper-size pool). Reports the ratio 50 / 1 and the growth in MB (`--rss-methods` picks some).
 4. **Query-cache speed-up** of pool client steps: images/s with q(x) cached vs recomputed (flip augmentation,
    several local epochs: the first fills the cache).
-5. **On CUDA** (or with `--bf16` on the CPU): the client step under bf16 autocast (ours and bare), achieved
-   TFLOP/s of ours (FLOPs of one bare step with the same prompt, counted by torch's FlopCounterMode) and the
-   fraction of the GPU's dense bf16 peak (table `BF16_PEAK`, by device name).
+5. **On CUDA** (or with `--bf16` on the CPU): the client step with `engine.precision: bf16` (ours: the backbone's
+   own autocast) and the bare step under bf16 autocast; achieved TFLOP/s (FLOPs of one bare step with the same
+   prompt layout, counted by torch's FlopCounterMode, per image, × images/s), the fraction of the device's dense
+   bf16 peak (table `BF16_PEAK` by device name, or `--peak-tflops` for a device it lacks) and the peak GPU memory
+   of ours (`torch.cuda.max_memory_allocated`). GPU times are CUDA events after a synchronize.
 
-    python benchmarks/perf.py [--quick] [--bf16] [--cpu] [--out benchmarks/results/perf.json]
+On a GPU, one command gives the ViT-B/16 prompt step (`fedavg_prompt`, prefix prompts) and every family's step in
+fp32 and bf16, with images/s, fraction of peak and peak memory, in a few minutes:
+
+    python benchmarks/perf.py --sections client [--peak-tflops 989]
+
+and everything (add the server step, peak RSS per method and the query cache; long):
+
+    python benchmarks/perf.py [--quick] [--bf16] [--cpu] [--sections client,server,rss,cache] [--out FILE.json]
 
 Speeds are random-init weights (speed does not depend on them): ViT-Tiny/16 at 112 px, batch 16 on CPU;
 ViT-B/16 at 224 px, batch 64 on CUDA. Run it on a quiet machine: other processes change every number.
@@ -63,12 +75,23 @@ from promptfcl.scenario.label_space import LabelSpace
 FAMILIES = {"fedavg_prompt": "prefix", "hgp": "prefix", "fedl2p": "pool", "fedcodap": "pool", "hepco": "pool"}
 SERVER_METHODS = ["fedavg_prompt", "hgp", "hepco"]
 CACHE_METHODS = {"hepco": {}, "fedcodap": {}, "fedl2p": {}}
-RSS_METHODS = ["fedavg_prompt", "hepco"]
 # the CPU presets' shorter HePCo server schedule (configs/cpu/hepco_cifar100.yaml): server step with --quick, and
 # the RSS runs (memory does not depend on the iteration count; 50 teachers x the paper's schedule takes long)
 PRESET_SERVER = {"hepco": {"generator_iterations": 20, "generator_extra_per_task": 5, "kd_iterations": 50}}
-# dense bf16 tensor-core peak (TFLOP/s, without sparsity) by device-name fragment
-BF16_PEAK = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+# Dense bf16 tensor-core peak in TFLOP/s (no sparsity), by a fragment of torch.cuda.get_device_name(), most specific
+# first (NVIDIA data sheets: H100 SXM5 989.4, H100 PCIe 756, H100 NVL 835, H200 989, A100 312, L40S 362, L4 121,
+# A10 125). A device not listed gets no fraction unless `--peak-tflops` gives its peak.
+BF16_PEAK = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "GH200": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+}
 
 
 @dataclass
@@ -84,6 +107,7 @@ class Setting:
     cache_epochs: int
     cache_images: int
     bf16: bool = False
+    peak_tflops: float | None = None
 
 
 def setting(args: argparse.Namespace) -> Setting:
@@ -97,6 +121,7 @@ def setting(args: argparse.Namespace) -> Setting:
         if args.quick:
             s.images, s.repeats, s.cache_epochs, s.cache_images = 48, 1, 2, 32
     s.bf16 = bool(getattr(args, "bf16", False))
+    s.peak_tflops = getattr(args, "peak_tflops", None)
     s.images = getattr(args, "images", None) or s.images
     s.repeats = getattr(args, "repeats", None) or s.repeats
     return s
@@ -105,6 +130,51 @@ def setting(args: argparse.Namespace) -> Setting:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    """Seconds `fn` takes, all its device work included: CUDA events on the current stream on a GPU (recorded
+    after a synchronize, waited for before reading), wall clock on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def bf16_peak_tflops(name: str, override: float | None = None) -> tuple[float | None, str]:
+    """(dense bf16 peak in TFLOP/s, where it came from): `--peak-tflops` when given, else the first `BF16_PEAK`
+    fragment found in the device name, else (None, "unknown device")."""
+    if override is not None:
+        return override, "--peak-tflops"
+    for fragment, peak in BF16_PEAK.items():
+        if fragment in name:
+            return peak, f"table ({fragment})"
+    return None, "unknown device: pass --peak-tflops"
+
+
+def fraction_of_peak(flops_per_image: float, images_per_s: float, peak_tflops: float | None) -> float | None:
+    """Achieved FLOP/s (flops_per_image × images/s) over the peak; None without a peak."""
+    return flops_per_image * images_per_s / (peak_tflops * 1e12) if peak_tflops else None
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs of one call of `fn` as torch's FlopCounterMode counts them (matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
 # ------------------------------------------------------------------------------------------------ client step
@@ -137,10 +207,7 @@ class ClientBench:
         ctx = ClientContext(0, 0, round_, Record(), self.data, round_, self.s.device)
         msg = self.msg.copy()
         msg.scalars["round"] = round_
-        t0 = time.perf_counter()
-        self.client.handle(msg, ctx)
-        sync(self.s.device)
-        return len(self.data) / (time.perf_counter() - t0)
+        return len(self.data) / timed(self.s.device, lambda: self.client.handle(msg, ctx))
 
     def prompt_layout(self) -> tuple[dict[int, tuple[int, int]], int, bool]:
         """(prefix lengths per layer, number of input tokens, needs a query) of the method's prompt."""
@@ -160,11 +227,11 @@ class ClientBench:
         return bare_step_fn(self.backbone.vit, prefix, n_tokens, needs_query, self.classes, self.s.device)
 
     def bare(self, step: Callable[[torch.Tensor, torch.Tensor], None]) -> float:
-        t0 = time.perf_counter()
-        for i in range(0, len(self.x), self.s.batch):
-            step(self.x[i : i + self.s.batch], self.y[i : i + self.s.batch])
-        sync(self.s.device)
-        return len(self.x) / (time.perf_counter() - t0)
+        def epoch() -> None:
+            for i in range(0, len(self.x), self.s.batch):
+                step(self.x[i : i + self.s.batch], self.y[i : i + self.s.batch])
+
+        return len(self.x) / timed(self.s.device, epoch)
 
 
 def bare_step_fn(
@@ -221,6 +288,7 @@ def client_steps(s: Setting) -> list[dict[str, Any]]:
         step = bench.bare_step()
         bench.ours(), bench.bare(step)  # warm-up
         o, b = [], []
+        reset_peak_memory(s.device)
         for _ in range(s.repeats):
             o.append(bench.ours())
             b.append(bench.bare(step))
@@ -232,42 +300,64 @@ def client_steps(s: Setting) -> list[dict[str, Any]]:
             "ratio": statistics.median(o) / statistics.median(b),
             "ours_all": o,
             "bare_all": b,
+            "peak_gpu_mb": peak_memory_mb(s.device),
         }
         if s.device.type == "cuda" or s.bf16:
             row.update(bf16(bench, step, s))
         rows.append(row)
         print(
             f"  client step {method:<14} ours {row['ours_images_per_s']:8.1f} img/s  bare "
-            f"{row['bare_images_per_s']:8.1f} img/s  ratio {row['ratio']:.3f}",
+            f"{row['bare_images_per_s']:8.1f} img/s  ratio {row['ratio']:.3f}"
+            + (f"  bf16 ours {row['bf16_ours_images_per_s']:8.1f} img/s" if "bf16_ours_images_per_s" in row else ""),
             flush=True,
         )
     return rows
 
 
-def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
-    """bf16-autocast images/s of ours and bare, TFLOP/s of the bare step and its fraction of the bf16 peak."""
-    from torch.utils.flop_counter import FlopCounterMode
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
 
+
+def peak_memory_mb(device: torch.device) -> float | None:
+    """Peak GPU memory allocated by tensors since the last reset (MB); None on the CPU."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
+    """Ours with `engine.precision: bf16` (the backbone's own autocast) and the bare step under bf16 autocast:
+    images/s, achieved TFLOP/s (FLOPs of one bare step with the same prompt layout, counted by FlopCounterMode,
+    per image), the fraction of the device's dense bf16 peak, and ours' peak GPU memory."""
+    x, y = bench.x[: s.batch], bench.y[: s.batch]
     with torch.autocast(s.device.type, dtype=torch.bfloat16):
-        with FlopCounterMode(display=False) as counter:
-            step(bench.x[: s.batch], bench.y[: s.batch])
-        flops_per_image = counter.get_total_flops() / s.batch
-        bench.ours(), bench.bare(step)
+        flops_per_image = count_flops(lambda: step(x, y)) / s.batch
+    bench.backbone.configure("bf16")
+    try:
+        bench.ours()  # warm-up
+        reset_peak_memory(s.device)
         o = statistics.median(bench.ours() for _ in range(s.repeats))
+        peak_mb = peak_memory_mb(s.device)
+    finally:
+        bench.backbone.configure("fp32")
+    with torch.autocast(s.device.type, dtype=torch.bfloat16):
+        bench.bare(step)
         b = statistics.median(bench.bare(step) for _ in range(s.repeats))
-    name = torch.cuda.get_device_name(0) if s.device.type == "cuda" else platform.processor() or "cpu"
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None) if s.device.type == "cuda" else None
-    ours_tflops = flops_per_image * o / 1e12
+    name = device_name(s.device)
+    peak, source = bf16_peak_tflops(name, s.peak_tflops) if s.device.type == "cuda" else (s.peak_tflops, "cpu")
     return {
         "bf16_ours_images_per_s": o,
         "bf16_bare_images_per_s": b,
         "bf16_ratio": o / b,
         "flops_per_image": flops_per_image,
-        "bf16_ours_tflops": ours_tflops,
+        "bf16_ours_tflops": flops_per_image * o / 1e12,
         "bf16_bare_tflops": flops_per_image * b / 1e12,
-        "gpu": name,
+        "device_name": name,
         "bf16_peak_tflops": peak,
-        "bf16_ours_fraction_of_peak": ours_tflops / peak if peak else None,
+        "bf16_peak_source": source,
+        "bf16_ours_fraction_of_peak": fraction_of_peak(flops_per_image, o, peak),
+        "bf16_bare_fraction_of_peak": fraction_of_peak(flops_per_image, b, peak),
+        "bf16_peak_gpu_mb": peak_mb,
     }
 
 
@@ -325,33 +415,81 @@ def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+CLIP_METHODS = {"capt", "promptfl", "maple_fedavg", "cocoop_fedavg", "fedclip", "clip_zeroshot"}
+# a tiny random-init CLIP (the CAPT CPU preset's shape, smaller) for the CLIP methods' RSS runs
+TINY_CLIP = {
+    "kind": "clip",
+    "name": "ViT-B-16",
+    "img_size": 32,
+    "kwargs": {
+        "embed_dim": 64,
+        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 96, "layers": 4, "head_width": 32},
+        "text_cfg": {"context_length": 16, "width": 64, "heads": 4, "layers": 4},
+    },
+}
+
+
+def rss_run_config(method: str, s: Setting, clients: int) -> dict[str, Any]:
+    """One short run of `method` on its own scenario family with `clients` simulated clients, all taking part:
+    class-incremental (2 tasks), Powder's asynchronous switching (C2Prompt, the direct reference), FedMGP's
+    personalized split, or one static long-tailed task on a tiny CLIP (CAPT and the CLIP baselines)."""
+    raw = tiny_run_config(method, s, clients, True, per_client=4, rounds=1)
+    sc = raw["scenario"]
+    if method in ("c2prompt", "codap_direct"):
+        slices = max(1, clients // 10)  # each client's task keeps ~8 images however many clients there are
+        sc.update(kind="asynchronous", classes_per_task=2, asynchronous={"data_slices": slices})
+    elif method == "fedmgp":
+        sc.update(kind="personalized", class_order="shuffled")
+        sc["personalized"] = {"mode": "synchronous", "local_test_fraction": 0.3}
+        raw["method"].update(proxy_per_class=2, fusion_epochs=1)
+        raw["data"]["options"]["train_per_class"] = max(6 * clients // 10, 6)  # 30 % held out as local test
+    elif method in CLIP_METHODS:
+        raw["backbone"] = TINY_CLIP
+        if method in ("capt", "maple_fedavg"):
+            raw["method"]["depth"] = 3  # the tiny CLIP has 4 layers per tower
+        sc.update(kind="long_tailed", num_tasks=1, long_tail={"imbalance_factor": 100})
+        raw["data"]["options"]["train_per_class"] = 30  # (n_max) so the head, mid and tail groups are all held
+        sc["partition"] = {"kind": "iid", "min_samples": 1}
+    return raw
+
+
 def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
     """Subprocess entry: one short run with `clients` simulated clients, then print its peak RSS as JSON."""
     s = setting(argparse.Namespace(quick=quick, cpu=cpu))
-    run_experiment(tiny_run_config(method, s, clients, True, per_client=4, rounds=1))
+    run_experiment(rss_run_config(method, s, clients))
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
     gpu = torch.cuda.max_memory_allocated() / 2**20 if s.device.type == "cuda" else None
     print(json.dumps({"peak_rss_mb": peak_kb / 1024, "peak_gpu_mb": gpu}))
 
 
-def peak_rss(quick: bool, cpu: bool) -> list[dict[str, Any]]:
+def peak_rss(methods: list[str], quick: bool, cpu: bool) -> list[dict[str, Any]]:
     rows = []
-    for method in RSS_METHODS[:1] if quick else RSS_METHODS:
-        row: dict[str, Any] = {"method": method}
+    for method in methods:
+        row: dict[str, Any] = {"method": method, "load_average": list(os.getloadavg())}
         for clients in (1, 50):
             cmd = [sys.executable, __file__, "--rss-child", method, str(clients)]
             cmd += ["--quick"] if quick else []
             cmd += ["--cpu"] if cpu else []
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            child = json.loads(out.strip().splitlines()[-1])
+            t0 = time.perf_counter()
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                row["error"] = f"{clients} clients: {res.stderr.strip().splitlines()[-1]}"
+                print(f"  peak RSS {method:<14} FAILED with {clients} clients:\n{res.stderr[-3000:]}", flush=True)
+                break
+            child = json.loads(res.stdout.strip().splitlines()[-1])
             row[f"peak_rss_mb_{clients}_clients"] = child["peak_rss_mb"]
+            row[f"seconds_{clients}_clients"] = time.perf_counter() - t0
             if child["peak_gpu_mb"] is not None:
                 row[f"peak_gpu_mb_{clients}_clients"] = child["peak_gpu_mb"]
+        if "error" in row:
+            rows.append(row)
+            continue
         row["ratio_50_vs_1"] = row["peak_rss_mb_50_clients"] / row["peak_rss_mb_1_clients"]
+        row["growth_mb"] = row["peak_rss_mb_50_clients"] - row["peak_rss_mb_1_clients"]
         rows.append(row)
         print(
             f"  peak RSS {method:<14} 1 client {row['peak_rss_mb_1_clients']:.0f} MB, 50 clients "
-            f"{row['peak_rss_mb_50_clients']:.0f} MB",
+            f"{row['peak_rss_mb_50_clients']:.0f} MB, ratio {row['ratio_50_vs_1']:.2f}",
             flush=True,
         )
     return rows
@@ -388,45 +526,58 @@ def query_cache(s: Setting) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------------------------------- output
 def tables(result: dict[str, Any]) -> str:
-    header = "| method | family | ours img/s | bare timm img/s | ratio |"
-    bf16_cols = any("bf16_ours_images_per_s" in r for r in result["client_step"])
-    if bf16_cols:
-        header += " bf16 ours img/s | bf16 ratio | bf16 TFLOP/s | of bf16 peak |"
-    out = [header, "|" + " --- |" * (header.count("|") - 1)]
-    for r in result["client_step"]:
-        line = (
-            f"| {r['method']} | {r['family']} | {r['ours_images_per_s']:.1f} | {r['bare_images_per_s']:.1f} | "
-            f"{r['ratio']:.3f} |"
-        )
-        if "bf16_ours_images_per_s" in r:
-            frac = r["bf16_ours_fraction_of_peak"]
-            line += (
-                f" {r['bf16_ours_images_per_s']:.1f} | {r['bf16_ratio']:.3f} | {r['bf16_ours_tflops']:.3g} |"
-                f" {'–' if frac is None else f'{100 * frac:.1f} %'} |"
+    out: list[str] = []
+    if "client_step" in result:
+        header = "| method | family | ours img/s | bare timm img/s | ratio |"
+        bf16_cols = any("bf16_ours_images_per_s" in r for r in result["client_step"])
+        if bf16_cols:
+            header += " bf16 ours img/s | bf16 ratio | bf16 TFLOP/s | of bf16 peak | bf16 peak GPU MB |"
+        out += [header, "|" + " --- |" * (header.count("|") - 1)]
+        for r in result["client_step"]:
+            line = (
+                f"| {r['method']} | {r['family']} | {r['ours_images_per_s']:.1f} | {r['bare_images_per_s']:.1f} | "
+                f"{r['ratio']:.3f} |"
             )
-        out.append(line)
-    out += ["", "| method | server s / round | client s / round | server schedule |", "| --- | --- | --- | --- |"]
-    out += [
-        f"| {r['method']} | {r['server_seconds_per_round']:.3f} | {r['client_seconds_per_round']:.3f} | "
-        f"{r['schedule']} |"
-        for r in result["server_step"]
-    ]
-    out += ["", "| method | peak RSS, 1 client (MB) | peak RSS, 50 clients (MB) | ratio |", "| --- | --- | --- | --- |"]
-    out += [
-        f"| {r['method']} | {r['peak_rss_mb_1_clients']:.0f} | {r['peak_rss_mb_50_clients']:.0f} | "
-        f"{r['ratio_50_vs_1']:.2f} |"
-        for r in result["peak_rss"]
-    ]
-    out += [
-        "",
-        "| method | recomputed img/s | cached img/s (all epochs) | ratio | cached img/s (warm) | warm ratio |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    out += [
-        f"| {r['method']} | {r['uncached_images_per_s']:.1f} | {r['cached_images_per_s_all_epochs']:.1f} | "
-        f"{r['ratio_all_epochs']:.2f} | {r['cached_images_per_s_warm']:.1f} | {r['ratio_warm']:.2f} |"
-        for r in result["query_cache"]
-    ]
+            if "bf16_ours_images_per_s" in r:
+                frac = r["bf16_ours_fraction_of_peak"]
+                mem = r.get("bf16_peak_gpu_mb")
+                line += (
+                    f" {r['bf16_ours_images_per_s']:.1f} | {r['bf16_ratio']:.3f} | {r['bf16_ours_tflops']:.3g} |"
+                    f" {'–' if frac is None else f'{100 * frac:.1f} %'} | {'–' if mem is None else f'{mem:.0f}'} |"
+                )
+            out.append(line)
+        out.append("")
+    if "server_step" in result:
+        out += ["| method | server s / round | client s / round | server schedule |", "| --- | --- | --- | --- |"]
+        out += [
+            f"| {r['method']} | {r['server_seconds_per_round']:.3f} | {r['client_seconds_per_round']:.3f} | "
+            f"{r['schedule']} |"
+            for r in result["server_step"]
+        ]
+        out.append("")
+    if "peak_rss" in result:
+        out += [
+            "| method | peak RSS, 1 client (MB) | peak RSS, 50 clients (MB) | ratio | growth (MB) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| {r['method']} | {r['peak_rss_mb_1_clients']:.0f} | {r['peak_rss_mb_50_clients']:.0f} | "
+            f"{r['ratio_50_vs_1']:.2f} | {r['growth_mb']:.0f} |"
+            if "error" not in r
+            else f"| {r['method']} | failed: {r['error']} | | | |"
+            for r in result["peak_rss"]
+        ]
+        out.append("")
+    if "query_cache" in result:
+        out += [
+            "| method | recomputed img/s | cached img/s (all epochs) | ratio | cached img/s (warm) | warm ratio |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| {r['method']} | {r['uncached_images_per_s']:.1f} | {r['cached_images_per_s_all_epochs']:.1f} | "
+            f"{r['ratio_all_epochs']:.2f} | {r['cached_images_per_s_warm']:.1f} | {r['ratio_warm']:.2f} |"
+            for r in result["query_cache"]
+        ]
     return "\n".join(out)
 
 
@@ -438,6 +589,9 @@ def main() -> None:
     ap.add_argument("--images", type=int, help="images per client-step measurement (default 320 CPU, 1024 CUDA)")
     ap.add_argument("--repeats", type=int, help="measurements per row, median reported (default 3)")
     ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
+    ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when BF16_PEAK lacks it")
+    ap.add_argument("--sections", default="client,server,rss,cache", help="comma-separated subset to run")
+    ap.add_argument("--rss-methods", help="comma-separated methods for the peak-RSS section (default: every one)")
     ap.add_argument("--rss-child", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -460,10 +614,18 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "environment": environment_info(),
     }
-    result["client_step"] = client_steps(s)
-    result["server_step"] = server_steps(s, args.quick)
-    result["peak_rss"] = peak_rss(args.quick, args.cpu)
-    result["query_cache"] = query_cache(s)
+    sections = set(args.sections.split(","))
+    result["sections"] = sorted(sections)
+    if "client" in sections:
+        result["client_step"] = client_steps(s)
+    if "server" in sections:
+        result["server_step"] = server_steps(s, args.quick)
+    if "rss" in sections:
+        result["peak_rss"] = peak_rss(
+            args.rss_methods.split(",") if args.rss_methods else sorted(METHODS), args.quick, args.cpu
+        )
+    if "cache" in sections:
+        result["query_cache"] = query_cache(s)
     result["seconds"] = time.perf_counter() - t0
     print(tables(result))
     default = (
