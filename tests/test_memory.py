@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from promptfcl.config import build_config
+from promptfcl.experiment import Experiment
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, ClientProgram, RoundInfo
@@ -195,3 +197,49 @@ def test_hepco_teachers_use_the_reply_tensors_without_copying() -> None:
     for t, r in zip(teachers, replies.values(), strict=True):
         assert t.logits.weight.data_ptr() == r.tensors["head.weight"].data_ptr()
         assert not t.logits.weight.requires_grad
+
+
+# ------------------------------------------------------------------------------ FedMGP phase 2: V(x') cached
+def fedmgp_client_model():
+    from .test_fedmgp import FEDMGP, personal_raw
+
+    rt = Runtime.build(build_config(personal_raw({**FEDMGP, "query_cache": True, "augment": "flip"})))
+    server, client = rt.programs()
+    model = server.new_model().eval()
+    return rt, client, model
+
+
+def test_fedmgp_vx_is_cached_per_input_and_global_prompt_state() -> None:
+    rt, client, model = fedmgp_client_model()
+    assert client.vx_cache is not None
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 32, 32)
+    fresh = model.local_query(x)  # no cache yet: the plain computation
+    model.vx_cache = client.vx_cache
+    first = model.local_query(x)
+    assert torch.allclose(first, fresh, atol=1e-5) and client.vx_cache.misses == 5
+    again = model.local_query(torch.cat([x[:2], x.flip(-1)[:1]]))  # two repeats and one new (flipped) image
+    assert client.vx_cache.hits == 2 and client.vx_cache.misses == 6
+    assert torch.equal(again[:2], first[:2])
+    with torch.no_grad():  # the next round's global prompts: a different function, so no stale entry is served
+        model.global_pool.prompts.add_(torch.randn_like(model.global_pool.prompts))
+    model.vx_cache = None
+    expected = model.local_query(x)
+    model.vx_cache = client.vx_cache
+    assert not torch.allclose(expected, first, atol=1e-3)
+    assert torch.allclose(model.local_query(x), expected, atol=1e-5)
+    assert client.vx_cache.misses == 11 and len(client.vx_cache) == 5  # the old version's entries were dropped
+
+
+def test_fedmgp_with_cached_vx_gives_the_same_run(tmp_path) -> None:
+    from .test_fedmgp import FEDMGP, personal_raw
+
+    results, caches = {}, {}
+    for cached in (False, True):
+        raw = personal_raw({**FEDMGP, "local_epochs": 3, "augment": "flip", "query_cache": cached})
+        exp = Experiment(build_config(raw), tmp_path / str(cached), show_progress=False)
+        results[cached] = exp.run()
+        caches[cached] = exp.client.vx_cache
+    assert caches[False] is None
+    assert caches[True].hits > 0  # phase 2's later epochs reuse V(x')
+    assert results[True]["accuracy_matrix"] == results[False]["accuracy_matrix"]

@@ -7,6 +7,10 @@ of its exact input tensor: a repeated image under the same deterministic transfo
 same flip) is a hit across epochs, rounds, clients and evaluation; a randomly cropped image is a new key, so
 with `crop_flip` augmentation the cache only costs memory — configs turn it off there.
 
+A function that also depends on frozen-for-now trainable state (FedMGP's global-prompted query V(x'), with the
+global prompts frozen for a phase) passes that state's `version` with each call (`state_version`): entries are
+kept for one version, and a new one empties the cache, so a new round's prompts are never served stale values.
+
 `per_sample` computes every missing entry from that image alone. Convolutions are not batch-invariant at float
 rounding (~2e-5 for the hybrid stem), so a value computed inside a batch depends on which images shared it — and a
 run resumed with an empty cache would refill it from other batches than the uninterrupted run did. One image at a
@@ -29,6 +33,7 @@ class QueryCache:
         self.max_entries = max_entries
         self.per_sample = per_sample
         self.store: dict[bytes, torch.Tensor] = {}
+        self.version: bytes | None = None
         self.hits = 0
         self.misses = 0
 
@@ -37,7 +42,12 @@ class QueryCache:
         rows = x.detach().to("cpu", torch.float32).contiguous().numpy()
         return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
 
-    def __call__(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor], version: bytes | None = None
+    ) -> torch.Tensor:
+        if version != self.version:  # the function changed: nothing stored is valid any more
+            self.store.clear()
+            self.version = version
         keys = self.keys(x)
         missing = [i for i, k in enumerate(keys) if k not in self.store]
         self.hits += len(keys) - len(missing)
@@ -57,3 +67,14 @@ class QueryCache:
 
     def __len__(self) -> int:
         return len(self.store)
+
+
+def state_version(module: torch.nn.Module, *extra: object) -> bytes:
+    """A digest of `module`'s state (every tensor's name, dtype, shape and bytes) and of `extra` values: equal
+    digests mean the same frozen function."""
+    h = hashlib.blake2b(repr(extra).encode(), digest_size=16)
+    for name, t in module.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()

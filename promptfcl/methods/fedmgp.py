@@ -52,6 +52,11 @@ interpolates the positional table over the prompt positions); the pull constrain
 mean(1 − cos) form, so `pull_coef` λ is applied as λ·top_k to the L2P pool to equal the code's Σ_k-cos strength;
 the distillation loss averages the MSE over elements per teacher (the code sums; Adam is scale-invariant) and
 uses `fusion_epochs` epochs (code: `local_epoch`).
+
+Speed (no change to the algorithm): with `query_cache: true` the unprompted q(x) and the global-prompted V(x')
+(phase 2's pull query and the test-time local selection, computed with the global prompts frozen) are cached per
+exact input — an image and its flip — and V(x') also per global-pool state (`MGPModel.vx_version`), so phase 2
+computes it once per image variant instead of every epoch, and a new round's prompts never see stale entries.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
+from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
 from promptfcl.federation.aggregation import weighted_mean
@@ -121,7 +127,9 @@ class FedMGPParams(LocalTrainingParams):
     # ablations
     global_prompt: bool = True
     local_prompt: bool = True
-    query_cache: bool = Field(False, description="cache q(x) per exact input (use with augment: none or flip)")
+    query_cache: bool = Field(
+        False, description="cache q(x) and phase 2's V(x') per exact input (use with augment: none or flip)"
+    )
 
     @model_validator(mode="after")
     def _fixed_by_the_paper(self) -> FedMGPParams:
@@ -160,6 +168,13 @@ class FedMGPClient(ClientProgram):
 
     message_kinds: ClassVar[tuple[str, ...]] = ("train", "evaluate")
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        p = self.params
+        # V(x'), phase 2's query under the frozen global prompts, cached per (image, flip) and global-prompt state
+        # like q(x) (same switch); batch-wise voting makes it depend on the batch, so it is not cached then
+        self.vx_cache = QueryCache() if p.query_cache and not p.batchwise_voting else None
+
     def _model(self, message: Message, ctx: ClientContext) -> MGPModel:
         """This client's model: shared tensors from the message, personal ones from its own state."""
         model: MGPModel = self.new_model()  # fresh per message: nothing is shared between clients
@@ -171,6 +186,7 @@ class FedMGPClient(ClientProgram):
         model.load_state_dict(sent, strict=False)
         if model.global_pool is not None:
             model.global_pool.set_task(ctx.task)
+        model.vx_cache = self.vx_cache
         return model.to(ctx.device)
 
     def predict(self, model: MGPModel, ctx: ClientContext) -> Predict:

@@ -16,6 +16,7 @@ from torch import nn
 
 from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.prompt_spec import PromptSpec
+from promptfcl.backbones.query_cache import QueryCache, state_version
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
@@ -68,6 +69,7 @@ class MGPModel(nn.Module):
         )
         self.readout = readout
         self.local_aux: torch.Tensor = torch.zeros(())
+        self.vx_cache: QueryCache | None = None  # set by the client program (FedMGP's `query_cache`)
 
     # ------------------------------------------------------------------------------------- pieces
     def global_spec(self, x: torch.Tensor) -> PromptSpec | None:
@@ -104,9 +106,25 @@ class MGPModel(nn.Module):
 
     @torch.no_grad()
     def local_query(self, x: torch.Tensor, gspec: PromptSpec | None = None) -> torch.Tensor:
-        """V(x'): the global-prompted feature that selects local prompts at test time."""
+        """V(x'): the global-prompted feature that selects local prompts at test time (and that phase 2's pull
+        constraint uses). With `vx_cache` set it is kept per exact input and global-prompt state (`vx_version`):
+        the global prompts are frozen in phase 2, so every later epoch reuses it."""
+        if self.vx_cache is not None:
+            return self.vx_cache(x, self._global_prompted_query, self.vx_version())
         gspec = self.frozen_global_spec(x) if gspec is None else gspec
         return self.read(self.backbone.tokens(x, gspec), gspec)
+
+    def _global_prompted_query(self, x: torch.Tensor) -> torch.Tensor:
+        gspec = self.frozen_global_spec(x)
+        return self.read(self.backbone.tokens(x, gspec), gspec)
+
+    def vx_version(self) -> bytes:
+        """What V(x') depends on besides the image: the global pool's tensors and task, the readout, and whether
+        the backbone's prompts are switched off."""
+        pool, off = self.global_pool, getattr(self.backbone, "_prompts_off", False)
+        if pool is None:
+            return repr((self.readout, off)).encode()
+        return state_version(pool, pool.task, self.readout, off)
 
     def local_logits(
         self,
