@@ -243,3 +243,64 @@ def test_fedmgp_with_cached_vx_gives_the_same_run(tmp_path) -> None:
     assert caches[False] is None
     assert caches[True].hits > 0  # phase 2's later epochs reuse V(x')
     assert results[True]["accuracy_matrix"] == results[False]["accuracy_matrix"]
+
+
+# ------------------------------------------------------------------ FedAvg replies folded as they arrive
+POOL_METHOD = {"name": "fedavg_prompt_pool", "pool_size": 4, "length": 2, "layers": [0], "local_epochs": 1,
+               "batch_size": 8, "augment": "none"}  # fmt: skip
+
+
+def one_round(faults: list[dict], weighting: str = "samples"):
+    from promptfcl.federation.faults import FaultPlan
+    from promptfcl.federation.protocol import GridPolicy
+
+    cfg = tiny_config(method={**POOL_METHOD, "weighting": weighting}, engine={"device": "cpu", "faults": faults})
+    rt = Runtime.build(cfg)
+    server, client = rt.programs()
+    full: dict[int, Message] = {}
+    grid = InProcessGrid(
+        client, rt.scenario, rt.dataset.train, 0, rt.device, on_reply=lambda c, r: full.update({c: r.copy()})
+    )
+    grid.configure(GridPolicy(1, None, FaultPlan(cfg.engine.faults)), server.reply_schema)
+    server.begin_task(0)
+    info = RoundInfo(0, 0, tuple(rt.scenario.participants[0][0]))
+    grid.start_round(info)
+    assert server.folds_replies()
+    sent_back = {}
+    original = grid._deliver
+
+    def deliver(messages):
+        sent_back.update(original(messages))
+        return sent_back
+
+    grid._deliver = deliver
+    server.run_round(grid, info)
+    return server, full, sent_back, grid
+
+
+def test_fedavg_folds_each_validated_reply_into_the_mean_and_keeps_no_client_model() -> None:
+    from promptfcl.federation.aggregation import weighted_mean
+
+    server, full, kept, grid = one_round([{"kind": "nonfinite", "client": 1}])
+    names = set(server.model.state_dict())
+    assert [f.client for f in grid.failures] == [1]  # the non-finite reply was refused, so never folded
+    assert kept and all(not names & set(r.tensors) for r in kept.values()), "full client models were kept"
+    good = [c for c in sorted(full) if c != 1]
+    expect = weighted_mean(
+        [{k: full[c].tensors[k] for k in names} for c in good], [full[c].scalars["num_samples"] for c in good]
+    )
+    for k, v in server.model.state_dict().items():
+        assert torch.equal(v, expect[k]), k
+
+
+def test_a_folded_run_equals_the_run_that_keeps_every_reply(tmp_path, monkeypatch) -> None:
+    from promptfcl.methods.fedavg import FedAvgServer
+
+    folded = Experiment(tiny_config(method=POOL_METHOD), tmp_path / "folded", show_progress=False)
+    a = folded.run()
+    monkeypatch.setattr(FedAvgServer, "folds_replies", lambda self: False)
+    kept = Experiment(tiny_config(method=POOL_METHOD), tmp_path / "kept", show_progress=False)
+    b = kept.run()
+    assert a["accuracy_matrix"] == b["accuracy_matrix"]
+    for k, v in folded.server.model.state_dict().items():
+        assert torch.equal(v, kept.server.model.state_dict()[k]), k

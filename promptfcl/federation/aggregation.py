@@ -8,6 +8,41 @@ from collections.abc import Sequence
 import torch
 
 
+class RunningMean:
+    """Σ_k w_k·state_k / Σ_k w_k, built one state at a time (float64 sums, cast back to each tensor's dtype).
+
+    `weighted_mean` is this over a list; a server that folds replies as they arrive (`Grid.send(..., fold=)`)
+    keeps only these sums, not every client's tensors, and gets the same numbers bit for bit.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, state: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+        if weight < 0:
+            raise ValueError(f"aggregation weights must be non-negative, got {weight}")
+        if self.count and state.keys() != self.sums.keys():
+            raise ValueError("clients returned different tensor names")
+        w = torch.tensor(weight, dtype=torch.float64)
+        for name, t in state.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(t.shape, dtype=torch.float64, device=t.device)
+                self.dtypes[name] = t.dtype
+            self.sums[name] += w * t.double()
+        self.total += float(weight)
+        self.count += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        if not self.count:
+            raise ValueError("nothing to aggregate")
+        if self.total <= 0:
+            raise ValueError("aggregation weights must have a positive sum")
+        return {name: (acc / self.total).to(self.dtypes[name]) for name, acc in self.sums.items()}
+
+
 def weighted_mean(
     states: Sequence[dict[str, torch.Tensor]], weights: Sequence[float] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -17,22 +52,13 @@ def weighted_mean(
     """
     if not states:
         raise ValueError("nothing to aggregate")
-    w = torch.ones(len(states), dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
-    if (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"aggregation weights must be non-negative with a positive sum, got {w.tolist()}")
-    w = w / w.sum()
-    names = states[0].keys()
-    for s in states[1:]:
-        if s.keys() != names:
-            raise ValueError("clients returned different tensor names")
-    out = {}
-    for name in names:
-        ref = states[0][name]
-        acc = torch.zeros(ref.shape, dtype=torch.float64)
-        for wk, s in zip(w, states, strict=True):
-            acc += wk * s[name].double()
-        out[name] = acc.to(ref.dtype)
-    return out
+    w = [1.0] * len(states) if weights is None else [float(x) for x in weights]
+    if any(x < 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"aggregation weights must be non-negative with a positive sum, got {w}")
+    mean = RunningMean()
+    for wk, s in zip(w, states, strict=True):
+        mean.add(s, wk)
+    return mean.result()
 
 
 def classwise_mean(
@@ -69,10 +95,10 @@ def owner_row_mean(
     it; averaging it with the untouched copies of the other clients would shrink its update by their number.
     """
     w = [1.0] * len(values) if weights is None else list(weights)
-    acc = torch.zeros(previous.shape, dtype=torch.float64)
-    total = torch.zeros(previous.shape[0], dtype=torch.float64)
+    acc = torch.zeros(previous.shape, dtype=torch.float64, device=previous.device)
+    total = torch.zeros(previous.shape[0], dtype=torch.float64, device=previous.device)
     for wk, v, rows in zip(w, values, owned_rows, strict=True):
-        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=previous.device)
         acc[idx] += wk * v[idx].double()
         total[idx] += wk
     out = previous.detach().clone()

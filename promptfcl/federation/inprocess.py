@@ -106,7 +106,12 @@ class InProcessGrid(Grid):
                 took = time.perf_counter() - t0
                 self.elapsed[cid] = took
                 self.traffic.client_seconds += took
-            replies[cid] = reply.copy()
             if self.on_reply is not None:
                 self.on_reply(cid, reply)
+            if self._fold is None:
+                replies[cid] = reply.copy()
+                continue
+            kept = self._received(cid, messages[cid], reply.copy())  # folded now: no full reply is held
+            if kept is not None:
+                replies[cid] = kept
         return replies

@@ -92,6 +92,7 @@ class RoundTraffic:
         }
 
 
+ReplyFold = Callable[[int, Message], Message]  # a server's fold of one validated reply (see Grid.send)
 ReplyExpectation = Callable[[Message], ReplySchema | None]
 
 
@@ -117,6 +118,8 @@ class Grid(ABC):
         self._injected: set[int] = set()
         # client states the engine holds and checkpoints (in-process: all; Flower: none, nodes keep their own)
         self.states: dict[int, Record] = {}
+        self._fold: ReplyFold | None = None  # set for the duration of one `send`
+        self._folded: dict[int, Message] = {}
         # extra scalars stamped on this round's messages (e.g. the evaluation regime's `measure_local`)
         self.stamp: dict[str, Any] = {}
 
@@ -140,8 +143,15 @@ class Grid(ABC):
         """A server-side defence refused this client's (otherwise valid) reply."""
         self.fail(client, "rejected", reason)
 
-    def send(self, messages: Mapping[int, Message]) -> dict[int, Message]:
-        """Deliver one message per client id; return the validated replies of the clients that answered."""
+    def send(self, messages: Mapping[int, Message], fold: ReplyFold | None = None) -> dict[int, Message]:
+        """Deliver one message per client id; return the validated replies of the clients that answered.
+
+        `fold(client, reply) -> reply` is applied to every validated reply, as soon as the engine hands it over
+        (`_received`; the in-process engine does so client by client): a server that averages can add the
+        reply's tensors to running sums and keep only what remains (scalars, statistics), so a round never holds
+        every client's full reply. A round that then misses its quorum raises as usual (discard the sums).
+        """
+        self._fold, self._folded = fold, {}
         stamped: dict[int, Message] = {}
         lost: set[int] = set()
         self._injected = set()
@@ -176,20 +186,37 @@ class Grid(ABC):
         for cid in sorted(stamped):
             if cid in failed:
                 continue
+            if cid in self._folded:  # already checked (and folded) when the engine handed it over
+                replies[cid] = self._folded[cid]
+                continue
             if cid not in raw:
                 self.fail(cid, "no_reply", "no reply")
                 continue
-            reply = raw[cid]
-            problem = self._problem(cid, stamped[cid], reply)
-            self.traffic.bytes_up += _safe_nbytes(reply)
-            if problem is not None:
-                self.fail(cid, *problem)
-            else:
-                replies[cid] = reply
+            accepted = self._accept(cid, stamped[cid], raw[cid])
+            if accepted is not None:
+                replies[cid] = accepted
+        self._fold, self._folded = None, {}
         needed = min(self.policy.min_clients, len(stamped))
         if len(replies) < needed:
             raise RoundFailed(self.round, needed, len(replies), self.failures[n_failed:])
         return replies
+
+    def _accept(self, cid: int, sent: Message, reply: Message) -> Message | None:
+        """Count, check and (when the server folds) fold one reply; None if it is unusable (failure recorded)."""
+        problem = self._problem(cid, sent, reply)
+        self.traffic.bytes_up += _safe_nbytes(reply)
+        if problem is not None:
+            self.fail(cid, *problem)
+            return None
+        return self._fold(cid, reply) if self._fold is not None else reply
+
+    def _received(self, cid: int, sent: Message, reply: Message) -> Message | None:
+        """For engines that deliver one client at a time: hand over `cid`'s reply as it arrives. It is checked and
+        folded at once (see `send`); returns what the round keeps of it (None: unusable, failure recorded)."""
+        accepted = self._accept(cid, sent, reply)
+        if accepted is not None:
+            self._folded[cid] = accepted
+        return accepted
 
     def _problem(self, cid: int, sent: Message, reply: Message) -> tuple[str, str] | None:
         """(kind, reason) why `reply` must not be used, or None."""
@@ -213,9 +240,9 @@ class Grid(ABC):
             return "nonfinite", "; ".join(nonfinite)
         return None
 
-    def broadcast(self, clients: Iterable[int], message: Message) -> dict[int, Message]:
-        """Send the same message to several clients."""
-        return self.send({c: message for c in clients})
+    def broadcast(self, clients: Iterable[int], message: Message, fold: ReplyFold | None = None) -> dict[int, Message]:
+        """Send the same message to several clients (`fold`: see `send`)."""
+        return self.send({c: message for c in clients}, fold)
 
     @abstractmethod
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:

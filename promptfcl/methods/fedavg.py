@@ -13,7 +13,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
-from promptfcl.federation.aggregation import aggregate_states, owner_row_mean, screen_updates, update_norms
+from promptfcl.federation.aggregation import (
+    RunningMean,
+    aggregate_states,
+    owner_row_mean,
+    screen_updates,
+    update_norms,
+)
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
 from promptfcl.federation.validation import ReplySchema, TensorSpec
@@ -157,6 +163,7 @@ class FedAvgServer(ServerProgram):
         seed_everything(self.env.seed, "model_init")
         self.model = self.new_model()
         self.round_info = RoundInfo(0, 0, ())
+        self._running: RunningMean | None = None  # this round's running mean of folded replies
 
     def begin_task(self, task: int) -> None:
         prompt = getattr(self.model, "prompt", None)
@@ -165,15 +172,46 @@ class FedAvgServer(ServerProgram):
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         self.round_info = info
-        replies = grid.broadcast(info.participants, self.downlink(info))
-        # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        usable = self.screen(usable, grid)
-        metrics = {**round_loss(usable), "clients": len(usable)}
-        if usable:
-            self.aggregate(usable)
-            metrics.update(self.after_aggregate(usable, info))
+        self._running = RunningMean() if self.folds_replies() else None
+        try:
+            replies = grid.broadcast(info.participants, self.downlink(info), self._fold if self._running else None)
+            # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
+            # (folded replies: the in-process engine and the base class hand them over in client-id order)
+            usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+            usable = self.screen(usable, grid)
+            metrics = {**round_loss(usable), "clients": len(usable)}
+            if usable:
+                self.aggregate(usable)
+                metrics.update(self.after_aggregate(usable, info))
+        finally:
+            self._running = None
         return metrics
+
+    # client models after_aggregate reads (HePCo's teachers): their replies are kept whole, not folded
+    needs_client_models: ClassVar[bool] = False
+
+    def folds_replies(self) -> bool:
+        """Whether this round averages the model tensors as replies arrive, keeping running sums instead of every
+        client's tensors (memory flat in the number of clients): plain mean, no update screening, no per-slot
+        head rows (asynchronous scenarios), the shared `aggregate`, and no `after_aggregate` that reads them."""
+        a = self.params.aggregation
+        return (
+            a.rule == "mean"
+            and a.max_update_norm is None
+            and a.norm_outlier_factor is None
+            and self.env.schedule is None
+            and type(self).aggregate is FedAvgServer.aggregate
+            and not self.needs_client_models
+        )
+
+    def _fold(self, client: int, reply: Message) -> Message:
+        """Add a usable reply's model tensors to the running mean; keep its scalars and other tensors."""
+        n = reply.scalars.get("num_samples", 0)
+        if self._running is None or n <= 0:
+            return reply
+        names = self.model.state_dict().keys()
+        self._running.add({k: reply.tensors[k] for k in names}, n if self.params.weighting == "samples" else 1.0)
+        return Message({k: v for k, v in reply.tensors.items() if k not in names}, reply.scalars, kind=reply.kind)
 
     def screen(self, replies: dict[int, Message], grid: Grid) -> dict[int, Message]:
         """The update-norm defence: refuse (and record on the grid) updates that are too large."""
@@ -226,8 +264,11 @@ class FedAvgServer(ServerProgram):
         names = self.model.state_dict().keys()  # replies may carry statistics beside the parameters
         previous = self.model.get_state()
         a = self.params.aggregation
-        states = [{k: r.tensors[k] for k in names} for r in replies.values()]
-        mean = aggregate_states(states, weights, a.rule, a.trim_fraction)
+        if self._running is not None:  # the replies were folded as they arrived (`folds_replies`)
+            mean = self._running.result()
+        else:
+            states = [{k: r.tensors[k] for k in names} for r in replies.values()]
+            mean = aggregate_states(states, weights, a.rule, a.trim_fraction)
         if self.env.schedule is not None:  # per-(client, task) slots: each head row from the clients that own it
             mean.update(self.owned_head(previous, replies, weights))
         self.model.set_state(mean)

@@ -172,6 +172,8 @@ class HePCoServer(PreviousTaskServer):
     """Uniform FedAvg, then generator training and two-stage latent distillation against clients and the
     previous-task snapshot; keeps the cumulative label counts."""
 
+    needs_client_models = True  # the clients' models are the generators' teachers
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cumulative = torch.zeros(self.env.label_space.num_logits, dtype=torch.long)
