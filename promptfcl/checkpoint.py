@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
 from promptfcl.federation.message import Record, prefixed, unprefixed
 
@@ -57,6 +57,22 @@ def atomic_write_bytes(path: Path, data: bytes, keep_previous: Path | None = Non
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    _replace(tmp, path, keep_previous)
+
+
+def atomic_save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], keep_previous: Path | None = None
+) -> None:
+    """`atomic_write_bytes` of a safetensors file, written from the tensors' own memory (no bytes copy of the whole
+    checkpoint is built, so a checkpoint of many client states costs no second copy of them)."""
+    tmp = path.with_name(path.name + ".tmp")
+    st_save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    _replace(tmp, path, keep_previous)
+
+
+def _replace(tmp: Path, path: Path, keep_previous: Path | None) -> None:
     if keep_previous is not None and path.exists():
         os.replace(path, keep_previous)
     os.replace(tmp, path)
@@ -106,8 +122,8 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
     }
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     text = json.dumps(scalars, sort_keys=True, allow_nan=False)
-    data = st_save(tensors, metadata={"scalars": text, "sha256": digest(tensors, text)})
-    atomic_write_bytes(run_dir / CHECKPOINT_NAME, data, keep_previous=run_dir / PREVIOUS_NAME)
+    metadata = {"scalars": text, "sha256": digest(tensors, text)}
+    atomic_save_tensors(run_dir / CHECKPOINT_NAME, tensors, metadata, keep_previous=run_dir / PREVIOUS_NAME)
 
 
 def verify_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
