@@ -304,3 +304,11 @@ def test_a_folded_run_equals_the_run_that_keeps_every_reply(tmp_path, monkeypatc
     assert a["accuracy_matrix"] == b["accuracy_matrix"]
     for k, v in folded.server.model.state_dict().items():
         assert torch.equal(v, kept.server.model.state_dict()[k]), k
+
+
+def test_copying_a_model_shares_its_frozen_backbone_and_copies_its_prompts() -> None:
+    rt = Runtime.build(tiny_config())
+    model = rt.programs()[0].model
+    twin = copy.deepcopy(model)
+    assert twin.backbone is model.backbone  # not a second ViT (nor a second query / stem cache)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(twin.parameters(), model.parameters(), strict=True))

@@ -109,6 +109,9 @@ class FrozenCLIP(nn.Module):
     def train(self, mode: bool = True) -> FrozenCLIP:  # the backbone never leaves eval mode
         return super().train(False)
 
+    def __deepcopy__(self, memo: dict) -> FrozenCLIP:  # frozen and shared: a copied model keeps this one
+        return self
+
     def enable_query_cache(self, on: bool = True) -> None:
         """CLIP methods use no query cache (API parity with `FrozenViT`)."""
 

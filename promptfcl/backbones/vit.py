@@ -101,6 +101,9 @@ class FrozenViT(nn.Module):
     def train(self, mode: bool = True) -> FrozenViT:  # the backbone never leaves eval mode
         return super().train(False)
 
+    def __deepcopy__(self, memo: dict) -> FrozenViT:  # frozen and shared: a copied model keeps this one (and caches)
+        return self
+
     @contextmanager
     def prompts_disabled(self) -> Iterator[None]:
         """Every forward inside ignores its prompt spec: the frozen, prompt-free output (the validity gate)."""

@@ -352,7 +352,7 @@ class C2PromptServer(FedAvgServer):
             with torch.random.fork_rng(devices=[]):  # building a pool draws its first block: keep the run's RNG
                 self._eval_models[client] = self.new_model().eval()
         m = self._eval_models[client]
-        m.set_state(self.client_state(client))
+        m.load_state_dict(self.client_state(client), assign=True)  # the held pool's own tensors: no second copy
         m.prompt.set_task(self.model.prompt.task)
         return m
 
@@ -408,7 +408,7 @@ class DirectServer(FedAvgServer):
             with torch.random.fork_rng(devices=[]):
                 self._eval_models[g] = self.new_model().eval()
         m = self._eval_models[g]
-        m.set_state(self.tasks.get(g, self.initial))
+        m.load_state_dict(self.tasks.get(g, self.initial), assign=True)  # the held state's own tensors: no copy
         m.prompt.set_task(0)
         return m
 
