@@ -312,3 +312,31 @@ def test_copying_a_model_shares_its_frozen_backbone_and_copies_its_prompts() -> 
     twin = copy.deepcopy(model)
     assert twin.backbone is model.backbone  # not a second ViT (nor a second query / stem cache)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(twin.parameters(), model.parameters(), strict=True))
+
+
+def test_hepco_stage_a_one_teacher_at_a_time_has_the_summed_loss_gradient() -> None:
+    from promptfcl.methods.hepco import prompt_gap, prompt_output
+
+    from .test_hepco import clients_and_server
+
+    rt, server, clients, replies = clients_and_server()
+    counts = torch.stack([r.tensors["label_counts"] for r in replies.values()])
+    teachers = server.teachers(replies, counts)
+    z = torch.randn(32, rt.env.backbone.embed_dim, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(4))
+    student = server.model
+    grads = []
+    for per_teacher in (True, False):
+        student.zero_grad(set_to_none=True)
+        if per_teacher:
+            loss = backward_sum([prompt_output(student, z)], [partial(prompt_gap, t, y, z) for t in teachers])
+        else:  # as it was written: every teacher's term in one graph
+            s = prompt_output(student, z)
+            loss = sum((t.weight[y] * (s - t.prompts(z)).pow(2).flatten(1).sum(1)).sum() for t in teachers)
+            loss.backward()
+        grads.append(({k: p.grad.clone() for k, p in student.prompt.named_parameters()}, float(loss.detach())))
+    (a, la), (b, lb) = grads
+    assert la == pytest.approx(lb, rel=1e-6)
+    for k in a:
+        assert float(b[k].abs().max()) > 0
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6 * float(b[k].abs().max())), k
