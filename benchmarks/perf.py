@@ -462,7 +462,14 @@ def rss_child(method: str, clients: int, quick: bool, cpu: bool) -> None:
     print(json.dumps({"peak_rss_mb": peak_kb / 1024, "peak_gpu_mb": gpu}))
 
 
-def peak_rss(methods: list[str], quick: bool, cpu: bool) -> list[dict[str, Any]]:
+def peak_rss(methods: list[str], quick: bool, cpu: bool, mmap_threshold: int | None = None) -> list[dict[str, Any]]:
+    """Each method's 1- and 50-client runs in fresh subprocesses. `mmap_threshold` (bytes) fixes glibc's
+    M_MMAP_THRESHOLD in them (MALLOC_MMAP_THRESHOLD_): tensors at least that large are mapped and unmapped on
+    their own, so the peak shows live memory without the heap fragmentation that glibc's sliding threshold lets
+    same-size transient tensors cause (a diagnostic; the default measures the allocator as users run it)."""
+    env = dict(os.environ)
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     rows = []
     for method in methods:
         row: dict[str, Any] = {"method": method, "load_average": list(os.getloadavg())}
@@ -471,7 +478,7 @@ def peak_rss(methods: list[str], quick: bool, cpu: bool) -> list[dict[str, Any]]
             cmd += ["--quick"] if quick else []
             cmd += ["--cpu"] if cpu else []
             t0 = time.perf_counter()
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if res.returncode != 0:
                 row["error"] = f"{clients} clients: {res.stderr.strip().splitlines()[-1]}"
                 print(f"  peak RSS {method:<14} FAILED with {clients} clients:\n{res.stderr[-3000:]}", flush=True)
@@ -592,6 +599,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when BF16_PEAK lacks it")
     ap.add_argument("--sections", default="client,server,rss,cache", help="comma-separated subset to run")
     ap.add_argument("--rss-methods", help="comma-separated methods for the peak-RSS section (default: every one)")
+    ap.add_argument(
+        "--malloc-mmap-threshold", type=int, help="RSS runs: fix glibc's mmap threshold (bytes; a diagnostic)"
+    )
     ap.add_argument("--rss-child", nargs=2, metavar=("METHOD", "CLIENTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -621,8 +631,12 @@ def main() -> None:
     if "server" in sections:
         result["server_step"] = server_steps(s, args.quick)
     if "rss" in sections:
+        result["rss_malloc_mmap_threshold"] = args.malloc_mmap_threshold
         result["peak_rss"] = peak_rss(
-            args.rss_methods.split(",") if args.rss_methods else sorted(METHODS), args.quick, args.cpu
+            args.rss_methods.split(",") if args.rss_methods else sorted(METHODS),
+            args.quick,
+            args.cpu,
+            args.malloc_mmap_threshold,
         )
     if "cache" in sections:
         result["query_cache"] = query_cache(s)
