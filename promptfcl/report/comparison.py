@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.report.collect import Group, RunResult, aggregate, format_value, mean_std, row_label
+from promptfcl.report.collect import (
+    Group,
+    RunResult,
+    aggregate,
+    format_value,
+    mean_std,
+    row_label,
+    validity_label,
+)
 from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
 
@@ -122,9 +130,10 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
     done = [g for g in groups if g.runs]
     rows, columns = aggregate(groups)
     sweep_keys = sorted({k for g in groups for k in g.sweep})
-    header = ["cell", "method", "seeds", *sweep_keys, *columns]
+    header = ["cell", "method", "seeds", "valid", *sweep_keys, *columns]
     table = [
-        [row_label(r), r["method"], str(r["seeds"]), *(json.dumps(r["sweep"].get(k, "")) for k in sweep_keys)]
+        [row_label(r), r["method"], str(r["seeds"]), validity_label(r)]
+        + [json.dumps(r["sweep"].get(k, "")) for k in sweep_keys]
         + [format_value(r["values"][c], r["seeds"]) for c in columns]
         for r in rows
     ]
@@ -148,6 +157,7 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
                 "weights were found, so these accuracies test the mechanics only, not the methods."
             )
         )
+    blocks += validity_blocks(done)
     blocks += [
         Heading("Set-up", 3),
         Table(
@@ -159,6 +169,41 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
         blocks += [Heading("Figures")] + _figures(done, fig_dir)
     blocks += [Heading("Runs: exact config and environment"), *_run_details(done, out)]
     return blocks
+
+
+VALIDITY_NOTE = (
+    "Validity gate (`promptfcl/evaluation/validity.py`): each value is the mean over seeds of the check's value. "
+    "client_loss = worst task's final-epoch client loss / ln K (≤ 0.5); learned_tasks = worst task's binomial p that "
+    "its accuracy right after learning is at chance (< 0.001); prompt_effect = % of test predictions that change "
+    "when every prompt is removed (≥ 5); method signals as documented there. A cell with a failing seed is marked "
+    "⚠ INVALID and cannot support a claim."
+)
+
+
+def validity_blocks(groups: list[Group]) -> list[Block]:
+    """The evidence table: per cell, the mean over seeds of every validity check's value, failing seeds named."""
+    names: list[str] = []
+    for g in groups:
+        for r in g.runs:
+            for c in (r.metrics.get("validity") or {}).get("checks", []):
+                if c["name"] not in names and c["name"] != "backbone_pretrained":
+                    names.append(c["name"])
+    if not names:
+        return []
+    table = []
+    for g in groups:
+        cells = []
+        for name in names:
+            vals = [
+                c["value"]
+                for r in g.runs
+                for c in (r.metrics.get("validity") or {}).get("checks", [])
+                if c["name"] == name and c["value"] is not None
+            ]
+            cells.append(f"{sum(vals) / len(vals):.3g}" if vals else "–")
+        failing = [f"seed {r.seed}: {', '.join(r.failed_checks)}" for r in g.runs if r.failed_checks]
+        table.append([g.name, *cells, "; ".join(failing) or "all pass"])
+    return [Heading("Validity", 3), Text(VALIDITY_NOTE), Table(["cell", *names, "failing"], table)]
 
 
 def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
