@@ -34,8 +34,17 @@ class DataConfig(StrictModel):
     train_per_class: int | None = Field(None, gt=0, description="keep this many train images per class")
     test_per_class: int | None = Field(None, gt=0, description="keep this many test images per class")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific options")
+    cache: bool = Field(
+        True,
+        description="file-based datasets: decode the kept images once into a memory-mapped uint8 file under "
+        "cache_dir (N·3·S² bytes, reused by later runs); false: decode into RAM at every run",
+    )
+    cache_dir: str | None = Field(
+        None, description="image cache folder; default $PROMPTFCL_CACHE, else ~/.cache/promptfcl"
+    )
+    decode_workers: int | None = Field(None, gt=0, description="threads decoding images; default: CPUs, at most 8")
 
-    @field_validator("root")
+    @field_validator("root", "cache_dir")
     @classmethod
     def _expand_root(cls, v: str | None) -> str | None:
         return os.path.expandvars(v) if v else v

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
+from promptfcl.data.cache import CacheError, default_cache_dir, materialize
 from promptfcl.evaluation.regimes import check_regime
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
@@ -179,11 +180,17 @@ def _check_clip_backbone(cfg: ExperimentConfig) -> None:
 
 
 def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
+    """The configured dataset, subsampled (`data.train_per_class` / `test_per_class`) before anything is decoded;
+    file-based splits are then decoded once into the image cache (`promptfcl.data.cache`) and mapped from it."""
+    d = cfg.data
     spec, options = resolve_dataset_options(cfg)
-    ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
+    ds = spec.load(resolve_root(spec, d.root), options, d.download)
     rng = numpy_rng(cfg.seed, "subsample")
-    ds.train = subsample_per_class(ds.train, cfg.data.train_per_class, rng)
-    ds.test = subsample_per_class(ds.test, cfg.data.test_per_class, rng)
+    train = subsample_per_class(ds.train, d.train_per_class, rng)
+    test = subsample_per_class(ds.test, d.test_per_class, rng)
+    cache_dir = (Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()) if d.cache else None
+    ds.train = materialize(train, spec.name, "train", cache_dir, d.decode_workers)
+    ds.test = materialize(test, spec.name, "test", cache_dir, d.decode_workers)
     return ds
 
 
@@ -230,7 +237,7 @@ class Runtime:
             torch.set_num_threads(cfg.engine.threads)
         try:
             dataset = load_dataset(cfg)
-        except DataMissingError as e:
+        except (DataMissingError, CacheError) as e:
             raise ConfigError(f"data: {e}") from None
         if scenario_file is not None and scenario_file.is_file():
             scenario = Scenario.load(scenario_file)

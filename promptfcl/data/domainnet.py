@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import IMAGE_SUFFIXES, Row, check_files, decode_rows, names_from_rows, pooled_split, read_list
+from promptfcl.data.files import IMAGE_SUFFIXES, Row, check_files, file_split, names_from_rows, pooled_split, read_list
 from promptfcl.data.split_files import anchor_rows, read_coda_split
 
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
@@ -113,7 +113,7 @@ def load_domainnet(root: Path, o: DomainNetOptions, download: bool) -> ImageData
                 raise DataMissingError(f"the CODA-P split files list no images of domains {', '.join(o.domains)}")
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "domainnet", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "domainnet", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 

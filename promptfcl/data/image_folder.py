@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import decode_rows, read_list
+from promptfcl.data.files import file_split, read_list
 
 
 class ImageFolderOptions(BaseModel):
@@ -48,7 +48,7 @@ def load_image_folder(root: Path, o: ImageFolderOptions, download: bool) -> Imag
     names_file = root / o.classes_file
     names = names_file.read_text().splitlines()[:n] if names_file.is_file() else [f"class_{i}" for i in range(n)]
     return ImageDataset(
-        root.name, decode_rows(root, train_rows, o.decode_size), decode_rows(root, test_rows, o.decode_size), names
+        root.name, file_split(root, train_rows, o.decode_size), file_split(root, test_rows, o.decode_size), names
     )
 
 

@@ -39,7 +39,7 @@ from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, reg
 from promptfcl.data.files import (
     check_files,
     check_subfolders,
-    decode_rows,
+    file_split,
     names_from_rows,
     per_class_split,
     pooled_split,
@@ -85,7 +85,7 @@ def load_imagenet_r(root: Path, o: ImageNetROptions, download: bool) -> ImageDat
         )
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "imagenet_r", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "imagenet_r", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 
@@ -130,7 +130,7 @@ def load_imagenet_a(root: Path, o: ImageNetAOptions, download: bool) -> ImageDat
         test = [(rel, index[test_names[c]]) for rel, c in test_rows]
         base_train, base_test = root / "train", root / "test"
     return ImageDataset(
-        "imagenet_a", decode_rows(base_train, train, o.decode_size), decode_rows(base_test, test, o.decode_size), names
+        "imagenet_a", file_split(base_train, train, o.decode_size), file_split(base_test, test, o.decode_size), names
     )
 
 
@@ -158,7 +158,7 @@ def load_imagenet_lt(root: Path, o: ImageNetLTOptions, download: bool) -> ImageD
     train, test = read_split_file(root / o.train_list), read_split_file(root / o.test_list)
     names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "imagenet_lt", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "imagenet_lt", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 
