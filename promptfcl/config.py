@@ -75,16 +75,31 @@ class ParticipationConfig(StrictModel):
 
 
 class LongTailConfig(StrictModel):
-    """`scenario.kind: long_tailed`: global exponential long-tail subsampling, then the client partition.
+    """`scenario.kind: long_tailed`: the long-tailed training set, then the client partition.
 
-    Class c (in class order) keeps n_max·IF^(−c/(C−1)) training images (LDAM / CReFF); head / mid / tail classes
-    are those whose cumulative share of the sorted class counts, before them, is below `head_share` / below
-    `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
+    `profile: exponential` (default): global exponential long-tail subsampling, class c (in class order) keeps
+    n_max·IF^(−c/(C−1)) training images (LDAM / CReFF; CIFAR-10/100-LT, Fashion-MNIST-LT). `profile: dataset`:
+    the training split keeps its own class counts (ImageNet-LT's 5–1,280 images per class, as CAPT uses it); only
+    on datasets whose release is long-tailed (`imagenet_lt`, `image_folder` lists), without `imbalance_factor`.
+    Head / mid / tail classes are those whose cumulative share of the sorted class counts, before them, is below
+    `head_share` / below `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
     """
 
+    profile: Literal["exponential", "dataset"] = Field(
+        "exponential", description="exponential: subsample to IF; dataset: keep the training split's own counts"
+    )
     imbalance_factor: float = Field(100.0, ge=1, description="IF = n_max / n_min (CAPT: 100, 50, 10)")
     head_share: float = Field(0.75, gt=0, lt=1)
     mid_share: float = Field(0.95, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _factor_needs_exponential(self) -> LongTailConfig:
+        if self.profile == "dataset" and "imbalance_factor" in self.model_fields_set:
+            raise ValueError(
+                "scenario.long_tail.imbalance_factor shapes the exponential profile; profile: dataset keeps the "
+                "training split's own class counts, so drop imbalance_factor (or use profile: exponential)"
+            )
+        return self
 
 
 class PersonalizedConfig(StrictModel):
@@ -161,6 +176,11 @@ class ScenarioConfig(StrictModel):
     def _long_tail_is_static(self) -> ScenarioConfig:
         if self.kind == "long_tailed" and self.num_tasks != 1:
             raise ValueError("a long_tailed scenario is one static task: set scenario.num_tasks: 1")
+        if self.long_tail.profile == "dataset" and self.kind != "long_tailed":
+            raise ValueError(
+                f"scenario.long_tail.profile: dataset applies to scenario.kind: long_tailed, not {self.kind}; set "
+                "scenario.kind: long_tailed (and num_tasks: 1) or drop scenario.long_tail.profile"
+            )
         if self.long_tail.mid_share <= self.long_tail.head_share:
             raise ValueError("scenario.long_tail.mid_share must exceed head_share")
         return self

@@ -99,6 +99,14 @@ def _check_data(cfg: ExperimentConfig) -> None:
         n = spec.num_classes(options)
     except ValueError as e:
         raise ConfigError(f"data.options: {e}") from None
+    sc = cfg.scenario
+    if sc.kind == "long_tailed" and sc.long_tail.profile == "dataset" and not spec.own_long_tail:
+        own = ", ".join(name for name, s in DATASETS.items() if s.own_long_tail)
+        raise ConfigError(
+            f"scenario.long_tail.profile: dataset keeps the training split's own class counts, but {spec.name}'s "
+            f"training split is not long-tailed; use profile: exponential (the default) to subsample it to an "
+            f"imbalance factor, or a long-tailed release ({own})"
+        )
     try:
         if cfg.scenario.kind == "personalized":  # per-client task sequences: only the classes used count
             counts = [personalized_class_count(cfg.scenario, n)]

@@ -109,7 +109,8 @@ class DatasetSpec:
     `check(root, options)` must be cheap (file existence only) and raise `DataMissingError` with the expected
     layout; `load(root, options, download)` returns an `ImageDataset` whose splits are decoded tensors
     (`ImageSplit`) or file lists (`FileSplit`, decoded by `load_dataset` after subsampling); `num_classes(options)`
-    lets configs be validated without decoding.
+    lets configs be validated without decoding. `own_long_tail`: the training split may carry its own long-tailed
+    class counts (ImageNet-LT, image lists), so `scenario.long_tail.profile: dataset` is allowed on it.
     """
 
     name: str
@@ -119,6 +120,7 @@ class DatasetSpec:
     num_classes: Callable[[Any], int]
     options: type[BaseModel] = NoOptions
     needs_root: bool = True
+    own_long_tail: bool = False
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset")

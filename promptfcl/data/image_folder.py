@@ -59,5 +59,13 @@ def _num_classes(o: ImageFolderOptions) -> int:
 
 
 register_dataset(
-    DatasetSpec("image_folder", "image_folder", load_image_folder, check_image_folder, _num_classes, ImageFolderOptions)
+    DatasetSpec(
+        "image_folder",
+        "image_folder",
+        load_image_folder,
+        check_image_folder,
+        _num_classes,
+        ImageFolderOptions,
+        own_long_tail=True,  # the lists may describe a long-tailed split (iNaturalist, Places-LT, ...)
+    )
 )

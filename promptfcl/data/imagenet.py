@@ -169,5 +169,13 @@ register_dataset(
     DatasetSpec("imagenet_a", "imagenet-a", load_imagenet_a, check_imagenet_a, lambda o: 200, ImageNetAOptions)
 )
 register_dataset(
-    DatasetSpec("imagenet_lt", "imagenet", load_imagenet_lt, check_imagenet_lt, lambda o: 1000, ImageNetLTOptions)
+    DatasetSpec(
+        "imagenet_lt",
+        "imagenet",
+        load_imagenet_lt,
+        check_imagenet_lt,
+        lambda o: 1000,
+        ImageNetLTOptions,
+        own_long_tail=True,
+    )
 )
