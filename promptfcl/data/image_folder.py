@@ -7,7 +7,8 @@ Expected layout (`data.root`):
     <root>/classes.txt      optional: one class name per line, in class-id order
     <root>/<relative/path.jpg> ...
 
-Images are decoded once, resized to `decode_size` square, and kept as uint8 tensors.
+Images are listed, subsampled, and the kept ones decoded once to `decode_size` squares into the image cache
+(`promptfcl.data.cache`). The lists may describe a long-tailed split: `scenario.long_tail.profile: dataset` keeps it.
 """
 
 from __future__ import annotations

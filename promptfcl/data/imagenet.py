@@ -24,8 +24,10 @@ with `split_seed` (0) — our convention, stated here because the paper states n
 '<path> <class id>' lines (`train/n01440764/....JPEG 0`, `val/n01440764/....JPEG 0`) next to the ImageNet
 `train/` and `val/` folders (val sorted into wnid folders). Class names are the wnids.
 
-All three decode every image once to `decode_size` (224) square uint8 tensors: ImageNet-R needs ~4.5 GB of RAM at
-224 px, ImageNet-LT ~25 GB (lower `decode_size` for a smaller footprint; the transform resizes to the backbone).
+All three list their files; the run decodes the images it keeps once to `decode_size` (224) squares in the image
+cache (`promptfcl.data.cache`): ImageNet-R takes 4.5 GB on disk at 224 px, ImageNet-LT 25.0 GB (lower
+`decode_size` for a smaller footprint; the transform resizes to the backbone). ImageNet-LT's training split is
+long-tailed as released: `scenario.long_tail.profile: dataset` keeps its class counts (CAPT's ImageNet-LT).
 """
 
 from __future__ import annotations
