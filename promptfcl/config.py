@@ -80,7 +80,8 @@ class LongTailConfig(StrictModel):
     `profile: exponential` (default): global exponential long-tail subsampling, class c (in class order) keeps
     n_max·IF^(−c/(C−1)) training images (LDAM / CReFF; CIFAR-10/100-LT, Fashion-MNIST-LT). `profile: dataset`:
     the training split keeps its own class counts (ImageNet-LT's 5–1,280 images per class, as CAPT uses it); only
-    on datasets whose release is long-tailed (`imagenet_lt`, `image_folder` lists), without `imbalance_factor`.
+    on datasets whose release is long-tailed (`imagenet_lt`, `image_folder` lists), without `imbalance_factor`
+    (`data.train_per_class`, if set, caps every class first and so flattens the head).
     Head / mid / tail classes are those whose cumulative share of the sorted class counts, before them, is below
     `head_share` / below `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
     """

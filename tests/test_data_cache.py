@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -176,7 +177,9 @@ def test_cache_is_built_once_mapped_and_rebuilt_when_a_file_changes(
     assert torch.equal(again.train.images, in_ram.train.images) and torch.equal(again.test.images, in_ram.test.images)
 
     changed = next(r for r in sorted(ident) if ident[r] in _ids(ds.train))
+    before = (root / changed).stat().st_mtime_ns
     _write_image(root / changed, 100)  # new pixels under the same name
+    os.utime(root / changed, ns=(before + 10**9, before + 10**9))  # a newer mtime even on coarse-grained file systems
     seen = _record_decodes(monkeypatch)
     rebuilt = load_dataset(cfg)
     assert len(seen) == 12 and sorted(_ids(rebuilt.train)) == sorted(
