@@ -196,10 +196,18 @@ def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
     rng = numpy_rng(cfg.seed, "subsample")
     train = subsample_per_class(ds.train, d.train_per_class, rng)
     test = subsample_per_class(ds.test, d.test_per_class, rng)
-    cache_dir = (Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()) if d.cache else None
-    ds.train = materialize(train, spec.name, "train", cache_dir, d.decode_workers)
-    ds.test = materialize(test, spec.name, "test", cache_dir, d.decode_workers)
+    ds.train = materialize(train, spec.name, "train", image_cache_dir(cfg), d.decode_workers)
+    ds.test = materialize(test, spec.name, "test", image_cache_dir(cfg), d.decode_workers)
     return ds
+
+
+def image_cache_dir(cfg: ExperimentConfig) -> Path | None:
+    """Where decoded images of file-based datasets are cached (`data.cache_dir`, else the default); None when
+    `data.cache: false` (decode into RAM). For `promptfcl.data.cache.materialize`."""
+    d = cfg.data
+    if not d.cache:
+        return None
+    return Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
 
 
 def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> Any:
