@@ -34,8 +34,17 @@ class DataConfig(StrictModel):
     train_per_class: int | None = Field(None, gt=0, description="keep this many train images per class")
     test_per_class: int | None = Field(None, gt=0, description="keep this many test images per class")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific options")
+    cache: bool = Field(
+        True,
+        description="file-based datasets: decode the kept images once into a memory-mapped uint8 file under "
+        "cache_dir (N·3·S² bytes, reused by later runs); false: decode into RAM at every run",
+    )
+    cache_dir: str | None = Field(
+        None, description="image cache folder; default $PROMPTFCL_CACHE, else ~/.cache/promptfcl"
+    )
+    decode_workers: int | None = Field(None, gt=0, description="threads decoding images; default: CPUs, at most 8")
 
-    @field_validator("root")
+    @field_validator("root", "cache_dir")
     @classmethod
     def _expand_root(cls, v: str | None) -> str | None:
         return os.path.expandvars(v) if v else v
@@ -66,16 +75,32 @@ class ParticipationConfig(StrictModel):
 
 
 class LongTailConfig(StrictModel):
-    """`scenario.kind: long_tailed`: global exponential long-tail subsampling, then the client partition.
+    """`scenario.kind: long_tailed`: the long-tailed training set, then the client partition.
 
-    Class c (in class order) keeps n_max·IF^(−c/(C−1)) training images (LDAM / CReFF); head / mid / tail classes
-    are those whose cumulative share of the sorted class counts, before them, is below `head_share` / below
-    `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
+    `profile: exponential` (default): global exponential long-tail subsampling, class c (in class order) keeps
+    n_max·IF^(−c/(C−1)) training images (LDAM / CReFF; CIFAR-10/100-LT, Fashion-MNIST-LT). `profile: dataset`:
+    the training split keeps its own class counts (ImageNet-LT's 5–1,280 images per class, as CAPT uses it); only
+    on datasets whose release is long-tailed (`imagenet_lt`, `image_folder` lists), without `imbalance_factor`
+    (`data.train_per_class`, if set, caps every class first and so flattens the head).
+    Head / mid / tail classes are those whose cumulative share of the sorted class counts, before them, is below
+    `head_share` / below `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
     """
 
+    profile: Literal["exponential", "dataset"] = Field(
+        "exponential", description="exponential: subsample to IF; dataset: keep the training split's own counts"
+    )
     imbalance_factor: float = Field(100.0, ge=1, description="IF = n_max / n_min (CAPT: 100, 50, 10)")
     head_share: float = Field(0.75, gt=0, lt=1)
     mid_share: float = Field(0.95, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _factor_needs_exponential(self) -> LongTailConfig:
+        if self.profile == "dataset" and "imbalance_factor" in self.model_fields_set:
+            raise ValueError(
+                "scenario.long_tail.imbalance_factor shapes the exponential profile; profile: dataset keeps the "
+                "training split's own class counts, so drop imbalance_factor (or use profile: exponential)"
+            )
+        return self
 
 
 class PersonalizedConfig(StrictModel):
@@ -152,6 +177,11 @@ class ScenarioConfig(StrictModel):
     def _long_tail_is_static(self) -> ScenarioConfig:
         if self.kind == "long_tailed" and self.num_tasks != 1:
             raise ValueError("a long_tailed scenario is one static task: set scenario.num_tasks: 1")
+        if self.long_tail.profile == "dataset" and self.kind != "long_tailed":
+            raise ValueError(
+                f"scenario.long_tail.profile: dataset applies to scenario.kind: long_tailed, not {self.kind}; set "
+                "scenario.kind: long_tailed (and num_tasks: 1) or drop scenario.long_tail.profile"
+            )
         if self.long_tail.mid_share <= self.long_tail.head_share:
             raise ValueError("scenario.long_tail.mid_share must exceed head_share")
         return self
