@@ -71,7 +71,8 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         switching = a.get("switching_clients")
         part = (
             f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
-            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices)"
+            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices"
+            f"{', a new slice per class repeat' if a.get('slice_rule') == 'distinct' else ''})"
         )
     elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
         q = s.get("personalized") or {}
