@@ -23,6 +23,7 @@ from promptfcl.checkpoint import atomic_write_text
 from promptfcl.report.collect import Group, RunResult, aggregate, format_value, mean_std, row_label
 from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
+from promptfcl.report.results import scored_model_label
 
 COLUMN_NOTES = (
     "FAA: average accuracy over all tasks after the last one (HGP's FAA, HePCo's A_N); forgetting: mean drop "
@@ -94,6 +95,20 @@ def scenario_label(cfg: dict[str, Any]) -> str:
     return f"{d.get('name', '?')}{sub}; {tasks}, {clients}, {part}, {s.get('rounds_per_task')} rounds/task"
 
 
+SCORED_NOTE = (
+    "**Scored models differ.** Task-aware rows score each (client, task) with the model the server holds for that "
+    "client: methods that send every client its own aggregate (C2Prompt's CPA) are scored on each client's own "
+    "model, FedAvg-style methods on the one global model. Here: "
+)
+
+
+def setup_label(run: RunResult) -> str:
+    """The set-up table's scenario cell: the scenario, and for task-aware per-(client, task) runs the model scored."""
+    scored = scored_model_label(run.metrics)
+    label = scenario_label(run.config)
+    return f"{label}; scored per (client, task) on {scored}" if scored else label
+
+
 def _commit(run: RunResult) -> str:
     git = run.environment.get("git") or {}
     if not git.get("commit"):
@@ -149,11 +164,14 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
                 "weights were found, so these accuracies test the mechanics only, not the methods."
             )
         )
+    scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
+    if len({v for v in scored.values() if v}) > 1:
+        blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
     blocks += [
         Heading("Set-up", 3),
         Table(
             ["cell", "scenario", "backbone"],
-            [[g.name, scenario_label(g.runs[0].config), backbone_label(g.runs[0].config)] for g in done],
+            [[g.name, setup_label(g.runs[0]), backbone_label(g.runs[0].config)] for g in done],
         ),
     ]
     if done:
