@@ -24,7 +24,13 @@ appended to each sample with probability p = 0.5; the client accumulates H_k[l, 
 Server CPA (§4.4 Eq. 10): per layer, stack the K·N stage components P and histograms H of all participants,
 W = row-softmax(H Hᵀ / τ), P* = W P; client k receives its own N rows of P* (a client-specific downlink); keys
 and attention vectors are mixed with the same W (our inference). Head rows are per-(client, task) slots, each
-taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model.
+taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model
+(metrics.json `scored_model: client`; Fed-CODAP is scored on the global model).
+
+Benchmark switch (Powder's code vs the stated intent): `scenario.asynchronous.slice_rule` → `powder` (default, the
+benchmark C2Prompt declares: slice (k·T + j) mod 5, so a class repeated at the same position of two clients'
+sequences is trained on the same images) | `distinct` (every repeat of a class sees new images; see
+`scenario.asynchronous`).
 
 Choices where the sources are silent (switch → default):
 - `lcdc_round`: "shared" (round 0 = statistics + LCDC, then discriminative training in the same round) | "extra"
