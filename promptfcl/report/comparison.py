@@ -164,9 +164,6 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
                 "weights were found, so these accuracies test the mechanics only, not the methods."
             )
         )
-    scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
-    if len({v for v in scored.values() if v}) > 1:
-        blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
     blocks += [
         Heading("Set-up", 3),
         Table(
@@ -174,6 +171,9 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
             [[g.name, setup_label(g.runs[0]), backbone_label(g.runs[0].config)] for g in done],
         ),
     ]
+    scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
+    if len({v for v in scored.values() if v}) > 1:
+        blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
     if done:
         blocks += [Heading("Figures")] + _figures(done, fig_dir)
     blocks += [Heading("Runs: exact config and environment"), *_run_details(done, out)]
