@@ -127,13 +127,28 @@ class AsynchronousConfig(StrictModel):
     client-major order) reuses a uniform number s ∈ [min_overlap, classes_per_task] of the classes of a random
     earlier task (of any client), the rest drawn fresh. Each (client, task) owns its own logit slots. The run has
     `num_tasks` stages of `rounds_per_task` rounds; at each stage boundary s a random `switching_clients` clients
-    jump to task s of their own sequence (skipping tasks), the others keep their current task. Each task uses the
-    slice (ordinal mod `data_slices`) of a fixed seeded permutation of every class's training images.
+    jump to task s of their own sequence (skipping tasks), the others keep their current task. Each task uses one
+    of `data_slices` disjoint slices of a fixed seeded permutation of every class's training images; `slice_rule`
+    picks which:
+
+    - `powder` (default, Powder's code `fl_main_hard.py`): slice (k·T + j) mod `data_slices` for client k's task j.
+      When T is a multiple of `data_slices` (Powder's ImageNet-R: T = 5 tasks, 5 slices) this is slice j for every
+      client, so a class that recurs at the same position j of two clients' sequences is trained on the *same*
+      images; repeats at different positions see different images. (Powder's DomainNet uses K·T = 50 slices of
+      2 %: every (client, task) its own slice.)
+    - `distinct`: the r-th occurrence of a class (tasks in client-major order k·T + j) uses slice r mod
+      `data_slices`, so every repeat of a class sees different images, as long as a class occurs at most
+      `data_slices` times (further repeats cycle).
     """
 
     switching_clients: int | None = Field(None, ge=0, description="clients that switch per stage; default ⌊K/2⌋")
     min_overlap: int = Field(0, ge=0, description="Powder's `sim`: least classes reused from an earlier task")
     data_slices: int = Field(5, gt=0, description="each task uses 1/data_slices of every class's images")
+    slice_rule: Literal["powder", "distinct"] = Field(
+        "powder",
+        description="powder: slice (k·T + j) mod data_slices (Powder's code); distinct: every repeat of a class "
+        "gets the next slice, so repeats see different images",
+    )
 
 
 class ScenarioConfig(StrictModel):

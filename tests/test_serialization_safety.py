@@ -156,7 +156,6 @@ def test_every_method_exchanges_only_tensors_and_json_scalars(method: str, tmp_p
         raw["scenario"] = dict(PERSONALIZED)
     if method in CLIP_METHODS or METHODS.get(method).params.model_fields.get("n_ctx") is not None:
         pytest.importorskip("open_clip")
-        pytest.importorskip("sklearn")
         from .clip_fixtures import tiny_lt_raw
 
         method_section = raw["method"]

@@ -6,7 +6,9 @@
   with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
   classes with logits masked to its own slots, using the model the server holds for that client
   (`ServerProgram.client_model`; `eval.model: global` forces the global model) → the transfer metrics of
-  `evaluation.transfer`, FWT against `eval.direct_reference`.
+  `evaluation.transfer`, FWT against `eval.direct_reference`. Which model was scored is read from the models the
+  server served and recorded as metrics.json `scored_model` (`scored_model`: global | client | task), so reports
+  can say, e.g., that C2Prompt is scored on each client's own CPA model and Fed-CODAP on the global one.
 - `ClientLocalRegime` (`client_local` on a personalized scenario, FedMGP): every client tests its own model on its
   local test splits through `evaluate` messages sent over the run's `Grid`, with KR_t / KR_s per round
   (`evaluation.client_local`).
@@ -225,6 +227,22 @@ def slot_summary(
     )
 
 
+SCORED_ORDER = ("global", "client", "task")
+
+
+def scored_model(server: ServerProgram, models: dict[int, nn.Module], owners: list[tuple[int, int]]) -> str:
+    """Which model one task-aware evaluation scored, from the objects the server served per label-space task g:
+    `global` (every g got the global model), `task` (some client's tasks got different models: one model per
+    (client, task), the direct reference) or `client` (client-specific models, one per client, e.g. CPA)."""
+    glob = server.global_model()
+    if all(m is glob for m in models.values()):
+        return "global"
+    per_client: dict[int, set[int]] = {}
+    for g, m in models.items():
+        per_client.setdefault(owners[g][0], set()).add(id(m))
+    return "task" if any(len(ids) > 1 for ids in per_client.values()) else "client"
+
+
 class SlotRegime(ServerSideRegime):
     """Task-aware accuracy per (client, task) on its own slots, with the client's model (asynchronous runs)."""
 
@@ -245,6 +263,8 @@ class SlotRegime(ServerSideRegime):
             for g in tasks
         }
         results = self.evaluator.evaluate(models, tasks)
+        kind = scored_model(server, models, owners)  # the most specific evidence over the run's evaluations
+        state["scored_model"] = max(kind, state.get("scored_model", "global"), key=SCORED_ORDER.index)
         for r in results:
             state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
         if last and task == self.scenario.num_tasks - 1:
@@ -273,6 +293,7 @@ class SlotRegime(ServerSideRegime):
             "accuracy_curve": stage_accuracy(points),
             "evaluations": log,
             "direct_reference": self.cfg.direct_reference,
+            "scored_model": state.get("scored_model"),
         }
 
 

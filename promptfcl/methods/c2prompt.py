@@ -14,14 +14,23 @@ Round 0 (`lcdc`, §4.2 Eq. 1–4):
    σ²_{i,k}) − μ^g_i², p_{k,i} = n_{i,k}/Σ_k n_{i,k} (`statistics.pooled`: the same identity with unbiased
    variances, i.e. exactly the pooled data's statistics); each client receives its classes' (μ^g, σ^g²).
 3. Client: fresh compensation prompts (one per class, 3 input tokens after the patches) trained to minimise the
-   diagonal-Gaussian NLL of the compensated feature (`training.compensation`), then frozen (client state).
+   diagonal-Gaussian NLL of the compensated feature (`training.compensation`), then frozen (client state). The
+   round logs, averaged over clients on `lcdc_diagnostic_samples` samples each, the NLL under the global Gaussians
+   of the unprompted q(x) (`lcdc_nll_unprompted`: what LCDC must beat), and of the compensated feature with the
+   freshly initialised (`lcdc_nll_before`) and the trained prompts (`lcdc_nll_after`).
 Rounds 1..N_r (§4.3): CE over the task's own slots (+ β·L_kd, below) with the label's frozen compensation prompt
 appended to each sample with probability p = 0.5; the client accumulates H_k[l, m, c] = Σ_{x of real class c}
 α^{(l)}_m(x) over the stage's N components of every prompted layer l. No compensation prompt at test time.
 Server CPA (§4.4 Eq. 10): per layer, stack the K·N stage components P and histograms H of all participants,
 W = row-softmax(H Hᵀ / τ), P* = W P; client k receives its own N rows of P* (a client-specific downlink); keys
 and attention vectors are mixed with the same W (our inference). Head rows are per-(client, task) slots, each
-taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model.
+taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model
+(metrics.json `scored_model: client`; Fed-CODAP is scored on the global model).
+
+Benchmark switch (Powder's code vs the stated intent): `scenario.asynchronous.slice_rule` → `powder` (default, the
+benchmark C2Prompt declares: slice (k·T + j) mod 5, so a class repeated at the same position of two clients'
+sequences is trained on the same images) | `distinct` (every repeat of a class sees new images; see
+`scenario.asynchronous`).
 
 Choices where the sources are silent (switch → default):
 - `lcdc_round`: "shared" (round 0 = statistics + LCDC, then discriminative training in the same round) | "extra"
@@ -97,7 +106,10 @@ class C2PromptParams(StageCodaParams):
     lcdc_lr: float = Field(0.01, gt=0)
     variance_eps: float = Field(1e-4, gt=0)
     lcdc_diagnostic_samples: int | None = Field(
-        64, ge=0, description="samples on which the NLL before/after LCDC is logged (None: all, 0: none)"
+        64,
+        ge=0,
+        description="samples on which the NLL of q(x) and of the compensated feature before/after LCDC is logged "
+        "(None: all, 0: none)",
     )
     cpa_temperature: float = Field(0.2, gt=0)
     histogram_norm: Literal["centered_l2", "l2", "l1", "none"] = "centered_l2"
@@ -287,7 +299,7 @@ class C2PromptServer(FedAvgServer):
         }
         replies = grid.send(msgs)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        for key in ("lcdc_nll_before", "lcdc_nll_after"):
+        for key in ("lcdc_nll_unprompted", "lcdc_nll_before", "lcdc_nll_after"):
             vals = [r.scalars[key] for r in replies.values() if key in r.scalars]
             if vals:
                 metrics[key] = sum(vals) / len(vals)

@@ -31,6 +31,7 @@ from promptfcl.report.collect import (
 )
 from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
+from promptfcl.report.results import scored_model_label
 
 COLUMN_NOTES = (
     "FAA: average accuracy over all tasks after the last one (HGP's FAA, HePCo's A_N); forgetting: mean drop "
@@ -79,7 +80,8 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         switching = a.get("switching_clients")
         part = (
             f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
-            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices)"
+            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices"
+            f"{', a new slice per class repeat' if a.get('slice_rule') == 'distinct' else ''})"
         )
     elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
         q = s.get("personalized") or {}
@@ -99,6 +101,20 @@ def scenario_label(cfg: dict[str, Any]) -> str:
     if s.get("upper_bound"):
         clients = f"one learner holding the data of {clients}"
     return f"{d.get('name', '?')}{sub}; {tasks}, {clients}, {part}, {s.get('rounds_per_task')} rounds/task"
+
+
+SCORED_NOTE = (
+    "**Scored models differ.** Task-aware rows score each (client, task) with the model the server holds for that "
+    "client: methods that send every client its own aggregate (C2Prompt's CPA) are scored on each client's own "
+    "model, FedAvg-style methods on the one global model. Here: "
+)
+
+
+def setup_label(run: RunResult) -> str:
+    """The set-up table's scenario cell: the scenario, and for task-aware per-(client, task) runs the model scored."""
+    scored = scored_model_label(run.metrics)
+    label = scenario_label(run.config)
+    return f"{label}; scored per (client, task) on {scored}" if scored else label
 
 
 def _commit(run: RunResult) -> str:
@@ -162,9 +178,12 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
         Heading("Set-up", 3),
         Table(
             ["cell", "scenario", "backbone"],
-            [[g.name, scenario_label(g.runs[0].config), backbone_label(g.runs[0].config)] for g in done],
+            [[g.name, setup_label(g.runs[0]), backbone_label(g.runs[0].config)] for g in done],
         ),
     ]
+    scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
+    if len({v for v in scored.values() if v}) > 1:
+        blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
     if done:
         blocks += [Heading("Figures")] + _figures(done, fig_dir)
     blocks += [Heading("Runs: exact config and environment"), *_run_details(done, out)]

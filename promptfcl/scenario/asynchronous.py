@@ -10,9 +10,16 @@ protocol (`../shared/methods.md` §2.7):
 - Output slots. Each (client k, task j) owns C logits of its own: label-space task g = j·K + k (Powder's global
   task id `task_id * num_clients + client_id`), K·T·C logits in all; a real class that recurs gets a new logit
   each time.
-- Data slices. Each task uses 1/`data_slices` of every one of its classes' training images: slice o mod
-  `data_slices` of a fixed seeded permutation of the class's images (Powder: 20 % slices cycling with the global
-  task id), so a class repeated in another task sees different images.
+- Data slices. Each task uses 1/`data_slices` of every one of its classes' training images: one slice of a fixed
+  seeded permutation of the class's images. `slice_rule` picks the slice:
+  - `powder` (default): slice o mod `data_slices`, o = k·T + j — Powder's ImageNet-R code
+    (`proportion_list[(i·T + j) % 5]`, 20 % slices). With T a multiple of `data_slices` (Powder: T = 5, 5 slices)
+    o mod `data_slices` = j, so every client's j-th task uses slice j: a class that recurs at the same position
+    of two clients' sequences is trained on the same images, and only repeats at different positions see
+    different ones. Powder's DomainNet code uses K·T slices of 2 % (`data_slices` = 50): all distinct.
+  - `distinct`: the r-th occurrence of a class over the ordinals (r = 0, 1, …) uses slice r mod `data_slices`,
+    so every repeat of a class sees images no earlier occurrence saw, up to `data_slices` occurrences (further
+    ones cycle). Default is Powder's rule because C2Prompt declares Powder's benchmark as its protocol.
 - Schedule. `num_tasks` stages of `rounds_per_task` rounds. In stage 0 every client trains its task 0. At each
   later stage boundary s a random `switching_clients` (default ⌊K/2⌋) clients switch to task s of their own
   sequence; the others keep training their current task. Clients therefore skip tasks.
@@ -66,6 +73,24 @@ def switch_schedule(num_clients: int, num_stages: int, switching: int, seed: int
     return out
 
 
+def slice_indices(seqs: list[list[list[int]]], slices: int, rule: str) -> list[list[int]]:
+    """[client][task] → the slice index of each of the task's classes (`rule`: powder | distinct)."""
+    T = len(seqs[0]) if seqs else 0
+    seen: dict[int, int] = {}  # class → occurrences so far, in client-major ordinal order
+    out: list[list[int]] = []
+    for k, seq in enumerate(seqs):
+        for j, classes in enumerate(seq):
+            if rule == "powder":
+                out.append([(k * T + j) % slices] * len(classes))
+            elif rule == "distinct":
+                out.append([seen.get(c, 0) % slices for c in classes])
+                for c in classes:
+                    seen[c] = seen.get(c, 0) + 1
+            else:
+                raise PartitionError(f"unknown scenario.asynchronous.slice_rule {rule!r}; use powder or distinct")
+    return [out[k * T : (k + 1) * T] for k in range(len(seqs))]
+
+
 def class_slice(positions: np.ndarray, slice_index: int, slices: int, rng: np.random.Generator) -> np.ndarray:
     """Slice `slice_index` of `slices` of a seeded permutation of one class's image positions."""
     perm = rng.permutation(positions)
@@ -96,14 +121,14 @@ def build_asynchronous(
             f"some class has fewer training images than scenario.asynchronous.data_slices ({a.data_slices}); "
             "lower data_slices or raise data.train_per_class"
         )
+    slices = slice_indices(seqs, a.data_slices, a.slice_rule)
     task_classes, owners, group_train, test_idx = [], [], [], []
     for j in range(T):  # label-space task g = j·K + k
         for k in range(K):
             classes = seqs[k][j]
-            ordinal = k * T + j
             idx = [
-                class_slice(positions[c], ordinal % a.data_slices, a.data_slices, numpy_rng(seed, "async_slices", c))
-                for c in classes
+                class_slice(positions[c], i, a.data_slices, numpy_rng(seed, "async_slices", c))
+                for c, i in zip(classes, slices[k][j], strict=True)
             ]
             task_classes.append(classes)
             owners.append((k, j))
