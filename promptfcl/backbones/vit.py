@@ -121,10 +121,14 @@ class FrozenViT(nn.Module):
             h = prefixed_block(blk, h, *prefix[i]) if i in prefix else blk(h)
         return vit.norm(h)
 
+    def patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The patch embedding's tokens (B, N, d) before positions and class token (cached for a CNN stem)."""
+        vit = self.vit
+        return vit.patch_embed(x) if self.stem_cache is None else self.stem_cache(x, vit.patch_embed)
+
     def _embed(self, x: torch.Tensor, spec: PromptSpec | None) -> torch.Tensor:
         vit = self.vit
-        stem = vit.patch_embed(x) if self.stem_cache is None else self.stem_cache(x, vit.patch_embed)
-        h = vit.patch_drop(vit._pos_embed(stem))
+        h = vit.patch_drop(vit._pos_embed(self.patch_tokens(x)))
         if spec is None or spec.tokens is None:
             return h
         t = _expand(spec.tokens, h.shape[0]).to(h.dtype)
