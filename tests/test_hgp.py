@@ -16,7 +16,7 @@ from promptfcl.methods.fedproto import PrototypeClassifier
 from promptfcl.runtime import Runtime
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import torch_generator
-from promptfcl.statistics import ClassStatistics, pooled
+from promptfcl.statistics import ClassStatistics, GaussianComponents, pooled
 
 from .conftest import tiny_config
 
@@ -206,3 +206,26 @@ def test_cr_ablations_retrain_only_their_part_of_the_head(tmp_path, ablation: st
     trained, kept = (current, old) if ablation == "current" else (old, current)
     assert torch.equal(head.weight[kept], before[kept])
     assert not torch.equal(head.weight[trained], before[trained])
+
+
+@pytest.mark.parametrize(
+    ("covariance", "scale_full", "inflation"), [("diag", False, 3.0), ("full", False, 1.0), ("full", True, 3.0)]
+)
+def test_hgp_inflates_diagonal_variances_and_full_covariances_only_when_asked(
+    covariance: str, scale_full: bool, inflation: float
+) -> None:
+    """fed-mammoth samples N(μ, 3·diag σ²) but N(μ, Σ) for full covariances; `scale_full_covariance` is the paper's
+    reading (×3 for any covariance). The server's sampler must draw features with exactly that spread."""
+    cfg = tiny_config(method=method("hgp", covariance=covariance, scale_full_covariance=scale_full))
+    server = Runtime.build(cfg).programs()[0]
+    d = server.env.backbone.embed_dim
+    a = torch.randn(d, d, generator=torch.Generator().manual_seed(0)) / d**0.5
+    cov = a @ a.T + 0.1 * torch.eye(d)
+    spread = cov if covariance == "full" else cov.diagonal()
+    stats = ClassStatistics(torch.tensor([1]), torch.tensor([50]), torch.zeros(1, d), spread[None])
+    server.components = GaussianComponents.empty(d, covariance == "full").replace_task(0, [stats])
+    feats, _ = server.sampler(torch.tensor([1])).sample(100_000, torch.Generator().manual_seed(1))
+    got = torch.cov(feats.double().T)
+    expect = inflation * (cov if covariance == "full" else torch.diag(cov.diagonal())).double()
+    err = float((got - expect).abs().max())
+    assert torch.allclose(got, expect, atol=0.05 * inflation), f"sampled covariance is {err:.2f} off {inflation}×Σ"
