@@ -31,7 +31,8 @@ saw counted as 1 (over all logits), and computes KL(client ‖ server) (`KLDivLo
 - The KL is KL(client ‖ server), as the code computes it (`training.latent_generator`); no switch yet.
 
 Choices (switch → default):
-- `lr`: 1e-3 (paper) | 5e-3 (code's yaml) → paper.
+- `lr`: 1e-3 (paper) | 5e-3 (code's yaml) → paper. `kd_lr` 1e-4 for both stages in both (the code pairs it
+  with its client lr 5e-3).
 - `replay_ratio`: 0.5 (paper, CIFAR/IN-R) | 1.0 (DomainNet script) → 0.5.
 - `detach_query`: False (paper: the prompt-MSE disagreement trains the generator) | True (code: the pool
   detaches its query, so that term gives the generator no gradient) → paper.
