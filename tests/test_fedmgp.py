@@ -156,15 +156,78 @@ def test_ablations_and_code_switches(tmp_path: Path, change: dict, check: str) -
         assert all("global_head.0.weight" in rep.tensors for rep in trains[0][1].values())
 
 
-@pytest.mark.parametrize("method", ["fedvit", "fedl2p", "feddualprompt"])
-def test_baselines_run_on_personalized_scenarios_with_client_local_evaluation(tmp_path: Path, method: str) -> None:
-    extra = {"fedl2p": {"pool_size": 4, "length": 2, "top_k": 2}, "feddualprompt": {"g_layers": [0],
-             "e_layers": [1], "pool_size": 4, "g_length": 2, "e_length": 2}}.get(method, {})  # fmt: skip
-    raw = personal_raw({"name": method, "local_epochs": 1, "batch_size": 8, **extra}, mode="synchronous", rounds=1)
-    metrics = Experiment(build_config(raw), tmp_path / method, show_progress=False).run()
-    assert len(metrics["accuracy_matrix"]) == 2 and len(metrics["retention"]["rounds"]) == 2
-    assert 0 <= metrics["summary"]["faa"] <= 100 and metrics["regime"] == "client_local"
-    assert list(metrics["summary"]["task_accuracy"]) == ["1", "2"] and "kr_s" in metrics["summary"]
+L2P = {"name": "fedl2p", "local_epochs": 1, "batch_size": 8, "pool_size": 4, "length": 2, "top_k": 2}
+
+
+@pytest.mark.parametrize("personal_head", ["owners", "uniform"])
+def test_fedl2p_on_personalized_scenarios_averages_each_head_row_over_the_clients_that_train_it(
+    tmp_path: Path, personal_head: str
+) -> None:
+    """Round 0 of task 0: a class's head row is trained only by the clients whose task 0 holds it (a private
+    class by one client); the head sent in round 1 averages that row over those clients only and keeps the rows
+    nobody trained. `personal_head: uniform` (FedMGP's official fed_avg_head) averages over every client."""
+    raw = personal_raw({**L2P, "personal_head": personal_head}, rounds=2)
+    _metrics, grid = run_recorded(raw, tmp_path / "run")
+    rt = Runtime.build(build_config(raw))
+    space, client_tasks = rt.scenario.label_space, rt.scenario.client_tasks
+    (_t, _r, sent0, replies0), (_t1, _r1, sent1, _rep1) = [e for e in grid.log if e[0] == 0 and
+                                                           next(iter(e[2].values())).kind == "train"]  # fmt: skip
+    for name in ("head.weight", "head.bias"):
+        before, after = next(iter(sent0.values())).tensors[name], next(iter(sent1.values())).tensors[name]
+        rows = {int(space.class_to_logit[c]): [k for k in replies0 if c in client_tasks[k][0]]
+                for k in replies0 for c in client_tasks[k][0]}  # fmt: skip
+        private = [j for j, owners in rows.items() if len(owners) == 1]
+        assert private and len(replies0) == 3
+        for j in range(space.num_logits):
+            owners = rows.get(j, []) if personal_head == "owners" else list(replies0)
+            if not rows.get(j):  # nobody trained row j: unchanged either way
+                assert torch.equal(after[j], before[j])
+                continue
+            mean = sum(replies0[k].tensors[name][j].double() for k in owners) / len(owners)
+            assert torch.allclose(after[j].double(), mean, atol=1e-6), (name, j, owners)
+        j = private[0]  # the one owner's trained row arrives whole (owners) or shrunk to 1/3 of its update
+        owner_row = replies0[rows[j][0]].tensors[name][j]
+        assert torch.allclose(after[j], owner_row, atol=1e-6) == (personal_head == "owners")
+    assert not torch.equal(
+        next(iter(sent1.values())).tensors["prompt.prompts"], next(iter(sent0.values())).tensors["prompt.prompts"]
+    )
+
+
+@pytest.mark.parametrize("method", ["fedvit", "feddualprompt"])
+def test_baselines_client_local_accuracy_is_the_global_model_on_each_clients_own_test_split(
+    tmp_path: Path, method: str
+) -> None:
+    """The accuracy the client_local regime reports for (client, task) equals the final global model recomputed
+    here on that client's local test split of its task, with only that task's classes competing."""
+    from promptfcl.data.loader import LabeledSubset
+    from promptfcl.methods.fedavg import set_task
+    from promptfcl.scenario.label_space import masked_logits
+
+    extra = {"feddualprompt": {"g_layers": [0], "e_layers": [1], "pool_size": 4, "g_length": 2, "e_length": 2}}
+    raw = personal_raw({"name": method, "local_epochs": 1, "batch_size": 8, **extra.get(method, {})}, rounds=1)
+    _metrics, grid = run_recorded(raw, tmp_path / "run")
+    last_eval = [m for _t, _r, m, _rep in grid.log if next(iter(m.values())).kind == "evaluate"][-1]
+    rt = Runtime.build(build_config(raw))
+    server, _ = rt.programs()
+    model = server.global_model()
+    model.set_state({k: v for k, v in next(iter(last_eval.values())).tensors.items()})
+    model.eval()
+    set_task(model, 1)  # the model as it stands after the last task (its pool selects among every seen task's keys)
+    rounds = [json.loads(x) for x in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    reported = rounds[-1]["client_accuracy"]
+    checked = 0
+    for k in range(rt.scenario.num_clients):
+        space = rt.scenario.client_label_space(k)
+        for t in range(2):
+            data = LabeledSubset.of(rt.dataset.train, rt.scenario.client_test[t][k], space.task_class_to_logit(t))
+            mask = space.mask(space.tasks[t].logits)
+            correct = 0
+            with torch.no_grad():
+                for x, y in data.batches(32, rt.env.eval_transform):
+                    correct += int((masked_logits(model(x), mask).argmax(1) == y).sum())
+            assert reported[str(k)][str(t)] == pytest.approx(100.0 * correct / len(data))
+            checked += 1
+    assert checked == 6
 
 
 def test_fedmgp_resume_equals_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
