@@ -285,6 +285,7 @@ class Runtime:
         env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras, schedule=scenario.schedule)
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
             env.extras["server_split"] = dataset.test
+            env.extras["client_tasks"] = scenario.client_tasks  # which head rows each client trains in each task
         return cls(cfg, spec, params, device, dataset, scenario, env)
 
     def programs(self) -> tuple[ServerProgram, ClientProgram]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
 from promptfcl.federation.aggregation import aggregate_states, owner_row_mean, screen_updates, update_norms
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
+from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
 from promptfcl.federation.validation import ReplySchema, TensorSpec
 from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
@@ -28,6 +28,11 @@ from promptfcl.training.local import (
     restore_optimizer,
     train_local,
 )
+
+
+def personal_tasks(env: MethodEnv) -> list[list[list[int]]] | None:
+    """[client][task] → real classes, in a personalized scenario (every client its own task sequence); else None."""
+    return env.extras.get("client_tasks")
 
 
 def set_task(model: torch.nn.Module, task: int) -> None:
@@ -56,6 +61,11 @@ class FedAvgParams(LocalTrainingParams):
 
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights ∝ samples or equal")
     aggregation: AggregationParams = Field(default_factory=AggregationParams)
+    personal_head: Literal["owners", "uniform"] = Field(
+        "owners",
+        description="personalized scenarios: each head row averaged over the clients whose current task holds its "
+        "class (owners) or over every client (uniform: FedMGP's official fed_avg_head)",
+    )
 
 
 class SupervisedClient(ClientProgram):
@@ -228,16 +238,26 @@ class FedAvgServer(ServerProgram):
         a = self.params.aggregation
         states = [{k: r.tensors[k] for k in names} for r in replies.values()]
         mean = aggregate_states(states, weights, a.rule, a.trim_fraction)
-        if self.env.schedule is not None:  # per-(client, task) slots: each head row from the clients that own it
-            mean.update(self.owned_head(previous, replies, weights))
+        if self.env.schedule is not None or (personal_tasks(self.env) and self.params.personal_head == "owners"):
+            mean.update(self.owned_head(previous, replies, weights))  # each head row from the clients that train it
         self.model.set_state(mean)
+
+    def owned_rows(self, client: int) -> list[int]:
+        """The head rows `client` trains this round: the logits of its current label-space task (asynchronous:
+        its own (client, task) slots; personalized: its own task's classes; otherwise the round's task)."""
+        stage, space = self.round_info.task, self.env.label_space
+        tasks = personal_tasks(self.env)
+        if tasks is not None:
+            return [int(space.class_to_logit[c]) for c in tasks[client][stage]]
+        return list(space.tasks[self.env.label_task(stage, client)].logits)
 
     def owned_head(
         self, previous: dict[str, torch.Tensor], replies: dict[int, Message], weights: list[float] | None
     ) -> dict[str, torch.Tensor]:
-        """Head rows averaged over the clients whose current label-space task owns them (asynchronous only)."""
-        stage, space = self.round_info.task, self.env.label_space
-        rows = [space.tasks[self.env.label_task(stage, c)].logits for c in replies]
+        """Head rows averaged over the clients that train them this round (`owned_rows`); rows nobody trains keep
+        their previous value. Uniform FedAvg would average a row one client trains with the others' untouched
+        copies, shrinking its update by the number of clients every round."""
+        rows = [self.owned_rows(c) for c in replies]
         return {
             k: owner_row_mean(previous[k], [r.tensors[k] for r in replies.values()], rows, weights)
             for k in previous

@@ -25,6 +25,7 @@ HeadKind = Literal["mlp", "linear"]
 Readout = Literal["prompt_mean", "cls"]
 GLOBAL_POOL = "global_pool."
 GLOBAL_HEAD = "global_head."
+LOCAL_POOL = "local_pool."
 
 
 def make_head(dim: int, num_logits: int, kind: HeadKind, hidden: int) -> nn.Module:
@@ -32,6 +33,16 @@ def make_head(dim: int, num_logits: int, kind: HeadKind, hidden: int) -> nn.Modu
     if kind == "linear":
         return nn.Linear(dim, num_logits)
     return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, num_logits))
+
+
+def key_hits(selected: torch.Tensor, labels: torch.Tensor) -> int:
+    """How many samples have their own class's prompt among their selected prompt ids (B, k)."""
+    return int((selected == labels.to(selected.device).unsqueeze(1)).any(dim=1).sum())
+
+
+def key_chance(top_k: int, candidates: int) -> float:
+    """% of samples a uniformly random choice of `top_k` of `candidates` prompts would hit: 100·min(k, C)/C."""
+    return 100.0 * min(top_k, candidates) / candidates
 
 
 def subset_state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
