@@ -14,6 +14,7 @@ from promptfcl.methods import (  # noqa: F401  (register)
     fedvit,
     hepco,
     hgp,
+    lorm,
     pool_baselines,
 )
 from promptfcl.methods.registry import METHODS, register_method
