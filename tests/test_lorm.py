@@ -188,3 +188,32 @@ def test_client_gram_is_the_adapted_layers_input_gram(runtime: Runtime) -> None:
     head = f.T @ f
     want = 0.5 * head + 0.5 * torch.diag(head.diagonal())  # γ_head = 0.5 on the off-diagonals
     assert torch.allclose(grams[GRAM + "head"].double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_run_alternates_factors_and_sends_what_the_merge_needs(tmp_path) -> None:
+    from .test_hgp import recorded_run
+
+    cfg = tiny_config(method={"name": "lorm", "rank": 2, "local_epochs": 2, "batch_size": 8, "lr": 0.003})
+    exp, log = recorded_run(cfg, tmp_path)
+    kinds = [(task, rnd, next(iter(sent.values())).kind) for task, rnd, sent, _ in log]
+    # per task: round 0 (train B), round 1 (train A), then the end-of-task Gram exchange in the last round
+    assert kinds == [(t, r, k) for t in (0, 1) for r, k in ((0, "train"), (1, "train"), (1, "gram"))]
+    for _, rnd, sent, replies in log:
+        msg = next(iter(sent.values()))
+        for reply in replies.values():
+            names = set(reply.tensors)
+            if msg.kind == "gram":
+                assert all(n.startswith(GRAM) for n in names)
+                continue
+            factor = msg.scalars["factor"]
+            assert factor == ("B" if rnd == 0 else "A")
+            assert any(n.startswith(f"prompt.{factor.lower()}.") for n in names)
+            assert not any(n.startswith(f"prompt.{'a' if factor == 'B' else 'b'}.") for n in names)  # frozen: not sent
+            # γ_backbone = 0: each projection's Gram travels as its diagonal; the head's (γ = 0.5) in full
+            assert all(reply.tensors[n].dim() == 1 for n in names if n.startswith(GRAM) and n != GRAM + "head")
+            assert reply.tensors[GRAM + "head"].dim() == 2
+    rounds = exp.state["rounds"]
+    assert all(r["failures"] == [] for r in rounds)
+    assert all(r["loss"] < 1.0 for r in rounds if r["round"] == 1)  # ln 3 ≈ 1.10: the tasks are learned
+    assert exp.state["accuracy_matrix"][0][0] > 50  # above chance (33 %) on the first task

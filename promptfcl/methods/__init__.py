@@ -15,6 +15,7 @@ from promptfcl.methods import (  # noqa: F401  (register)
     hepco,
     hgp,
     lorm,
+    pilora,
     pool_baselines,
 )
 from promptfcl.methods.registry import METHODS, register_method
