@@ -155,20 +155,27 @@ class PILoRAClient(SupervisedClient):
         if len(ctx.train_data):
             means = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
             out.update(means.to_tensors())
-        return Message(out, {"num_samples": len(ctx.train_data), "loss": stats["loss"]}, kind="train_reply")
+        scalars = {"num_samples": len(ctx.train_data), "loss": stats["loss"]}
+        steps = max(getattr(self, "parts", {}).get("steps", 0), 1)
+        if len(ctx.train_data):
+            scalars.update(dce=self.parts["dce"] / steps, ort=self.parts["ort"] / steps)
+        return Message(out, scalars, kind="train_reply")
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
+        self.parts = {"dce": 0.0, "ort": 0.0, "steps": 0}  # the loss terms, reported beside the total
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             d = model.distances(model.features(x))
             dce = F.cross_entropy(masked_logits(-d / p.temperature, mask), y)
             pl = d.gather(1, y.unsqueeze(1)).mean()
-            total = dce + p.pl_weight * pl
-            if p.ort_weight:
-                total = total + p.ort_weight * model.prompt.orthogonality()
+            ort = model.prompt.orthogonality()
+            total = dce + p.pl_weight * pl + p.ort_weight * ort
             if p.l1_weight:
                 total = total + p.l1_weight * model.prompt.l1()
+            self.parts["dce"] += float(dce.detach())
+            self.parts["ort"] += float(ort.detach())
+            self.parts["steps"] += 1
             return total
 
         return loss
@@ -214,6 +221,10 @@ class PILoRAServer(FedAvgServer):
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
         losses = [r.scalars["loss"] for r in usable.values()]
         metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
+        for part in ("dce", "ort"):  # the loss terms (the total also holds the L1 term)
+            values = [r.scalars[part] for r in usable.values() if isinstance(r.scalars.get(part), float)]
+            if values:
+                metrics[f"loss_{part}"] = sum(values) / len(values)
         if usable:
             metrics.update(self.aggregate_task(usable, info.task))
         return metrics
