@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
@@ -84,6 +84,15 @@ class LoRMParams(LocalTrainingParams):
     gram_model: Literal["current", "running_mean"] = "current"
     gram_upload_dtype: Literal["float32", "float64"] = "float32"
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the head bias")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LoRMParams:
+        if self.optimizer_reset != "round":
+            raise ValueError(
+                "LoRM trains a different factor every round, so its optimizer cannot carry over: "
+                "set optimizer_reset: round"
+            )
+        return self
 
 
 def build_model(env: MethodEnv, p: LoRMParams) -> PromptedClassifier:

@@ -45,7 +45,7 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from promptfcl.adapters.incremental import IncrementalQVLoRA
@@ -86,6 +86,12 @@ class PILoRAParams(LocalTrainingParams):
     train_with_old: bool = True
     round_lr_schedule: Literal["cosine", "constant"] = "cosine"
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the LoRA")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PILoRAParams:
+        if self.optimizer_reset != "round":
+            raise ValueError("PILoRA makes a fresh Adam every round (the official code): set optimizer_reset: round")
+        return self
 
 
 class PrototypeLoRAClassifier(ExchangedModel):
