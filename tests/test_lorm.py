@@ -153,28 +153,41 @@ def test_task_merge_is_regmean_of_the_tasks_residual_weights(runtime: Runtime) -
         assert torch.allclose(d.dense(), merged[s].dense())
 
 
-def test_client_gram_is_the_adapted_layers_input_gram(runtime: Runtime) -> None:
+@pytest.mark.parametrize("gram_model", ["current", "running_mean"])
+def test_client_gram_is_the_adapted_layers_input_gram(runtime: Runtime, gram_model: str) -> None:
     server, client = runtime.programs()
     assert isinstance(client, LoRMClient)
+    client.params = client.params.model_copy(update={"gram_model": gram_model})
     server.begin_task(0)
     state = server.model.get_state()
     gen = torch.Generator().manual_seed(3)
     for k in [k for k in state if k.startswith("prompt.b.")]:
         state[k] = torch.randn(state[k].shape, generator=gen) * 0.3
-    server.model.set_state(state)
     model = client.model
     model.set_state(state)
+    message, task = Message(dict(state)), 0
+    dense = {s: d.dense().detach() for s, d in model.prompt.deltas().items()}
+    if gram_model == "running_mean":  # task 1, one earlier module: the code's W0 + (B0·A0 + B·A) / 2
+        task = 1
+        for s in dense:
+            k = site_key(s)
+            a0, b0 = (
+                torch.randn(state[f"prompt.a.{k}"].shape, generator=gen),
+                torch.randn(state[f"prompt.b.{k}"].shape, generator=gen),
+            )
+            message.tensors[f"old/0/a/{k}"], message.tensors[f"old/0/b/{k}"] = a0, b0 * 0.3
+            dense[s] = (dense[s] + 0.3 * b0 @ a0) / 2
     data = LabeledSubset.of(runtime.dataset.train, list(range(10)), torch.arange(6))
-    ctx = ClientContext(0, 0, 0, Record(), data, 0, torch.device("cpu"))
-    grams = client.grams(model, Message(state), ctx)
-    # independent: a copy of the ViT with B·A merged into its weights, inputs captured by hooks on that copy
+    ctx = ClientContext(0, task, 0, Record(), data, 0, torch.device("cpu"))
+    grams = client.grams(model, message, ctx)
+    # independent: a copy of the ViT with the deltas merged into its weights, inputs captured by hooks on that copy
     vit = copy.deepcopy(runtime.env.backbone)
     captured: dict[str, list[torch.Tensor]] = {}
-    for (layer, target), dlt in model.prompt.deltas().items():
+    for (layer, target), delta in dense.items():
         blk = vit.vit.blocks[layer]
         lin = (blk.attn if target in ("qkv", "proj") else blk.mlp).get_submodule(target)
         with torch.no_grad():
-            lin.weight += dlt.b @ dlt.a
+            lin.weight += delta
         key = f"{layer}_{target}"
         lin.register_forward_hook(lambda _m, i, _o, key=key: captured.setdefault(key, []).append(i[0].detach()))
     feats = []
