@@ -14,7 +14,7 @@ Algorithm (per task t, rounds r = 0..R−1):
 3. Clients upload the trained factor, the head and the Gram matrices of the inputs of every adapted projection
    and of the head, computed in one no-grad pass on their task data with the trained module [C]; RegMean's
    regularisation G ← γ·G + (1−γ)·diag(G) is applied on the client, γ_backbone = 0 (only the diagonal)
-   and γ_head = 0.5 [H: γ = (0, 0.5) for every dataset; N: "only diagonal elements of the Gram matrices"].
+   and γ_head = 0.5 [H: γ = (0, 0.5), CUB-200 (0, 0.3); N: "only diagonal elements of the Gram matrices"].
 4. Server merges in closed form (RegMean solved for one unknown) [P][C]: B rounds, A shared:
    B* = (Σ_k B_k·A·G_k·Aᵀ)(A·(Σ_k G_k)·Aᵀ)⁺; A rounds, B shared: A* = (Σ_k A_k·G_k)(Σ_k G_k)⁺; head weight
    W* = (Σ_k W_k·H_k)(Σ_k H_k)⁺, bias sample-weighted FedAvg [C]. float64, pseudo-inverse [C].
@@ -30,8 +30,9 @@ Switches (→ default, and why):
   which needs the previous tasks' factors sent down) → "current"; the paper's choice is unknown to us.
 - `train_matrix`: "alternate" (LoRM) | "A" | "B" (the code's ablations: one factor only, averaged the same way).
 - `gram_upload_dtype`: float32 (the code's default `gram_dtype`) | float64. Grams are accumulated in float64.
-Hyper-parameters: AdamW lr 3e-4, weight decay 0.1, no gradient clipping, batch 16, 5 local epochs, 5 rounds per
-task [C][N]; [H] gives per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
+Hyper-parameters: AdamW lr 3e-4, weight decay 0.1 (on the whole head, so older tasks' rows shrink a little every
+step, as in the code), no gradient clipping, batch 16, 5 local epochs, 5 rounds per task [C][N]; [H] gives
+per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
 Communication (what travels, counted by the Grid): down A, B, head (+ previous factors for "running_mean");
 up the trained factor, head, the head Gram (d×d) and each adapted projection's Gram — its diagonal (n,) when
 γ_backbone = 0 (the code ships the full n×n matrix with zeroed off-diagonals; the merge is identical); the
