@@ -281,7 +281,11 @@ class Runtime:
         for t in scenario.label_space.tasks:
             for c, j in zip(t.classes, t.logits, strict=True):
                 names[j] = dataset.class_names[c]
-        extras = {"class_names": names, "num_clients": scenario.num_clients}
+        extras = {
+            "class_names": names,
+            "num_clients": scenario.num_clients,
+            "rounds_per_task": scenario.rounds_per_task,  # methods with an end-of-task exchange (LoRM)
+        }
         env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras, schedule=scenario.schedule)
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
             env.extras["server_split"] = dataset.test

@@ -11,5 +11,6 @@ CLIENT_MESSAGE_KINDS: tuple[str, ...] = (
     "label_counts",  # CAPT
     "update",  # CAPT
     "stats",  # C2Prompt
+    "gram",  # LoRM (end-of-task Gram matrices)
     "evaluate",  # the client_local evaluation regime (FedMGP and the baselines on personalized scenarios)
 )

@@ -14,6 +14,8 @@ from promptfcl.methods import (  # noqa: F401  (register)
     fedvit,
     hepco,
     hgp,
+    lorm,
+    pilora,
     pool_baselines,
 )
 from promptfcl.methods.registry import METHODS, register_method
