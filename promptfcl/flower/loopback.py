@@ -53,6 +53,7 @@ class LoopbackFederation:
             "PYTHONUNBUFFERED": "1",
         }
         self.procs: list[subprocess.Popen] = []
+        self.runs: list[subprocess.Popen] = []  # `flwr run` CLIs, killed by `stop()` if still running
         self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
         link = [str(BIN / "flower-superlink"), "--disable-runtime-dependency-installation", "--port", str(self.port)]
         names = [f"node{k}" for k in range(clients)]
@@ -124,7 +125,9 @@ class LoopbackFederation:
     def start_run(self, app: Path, run_config: str) -> subprocess.Popen:
         """`flwr run` in the background (streaming its output); `result` reads its summary line."""
         cmd = [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", run_config]
-        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.runs.append(proc)
+        return proc
 
     def run(self, app: Path, run_config: str, timeout: int = 400) -> dict:
         """Run an experiment through the federation; returns the ServerApp's `{"promptfcl": ...}` summary."""
@@ -140,6 +143,10 @@ class LoopbackFederation:
         raise RuntimeError(f"no result line from flwr run:\n{out.stdout[-3000:]}\n{out.stderr[-2000:]}\n{logs}")
 
     def stop(self) -> None:
+        for run in self.runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate(timeout=30)
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
