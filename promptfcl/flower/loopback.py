@@ -67,10 +67,10 @@ class LoopbackFederation:
             link += ["--insecure"]
             connection = "insecure = true"
         self._start("superlink", link)
-        subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
+        subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=120)
         with open(home / "config.toml", "a") as f:
             f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{connection}\n')
-        time.sleep(4)
+        self._wait_listening(self.port)  # a busy machine may take far longer than the usual few seconds
         if secure:
             for name in names:
                 self.flwr("supernode", "register", str(self.keys[name][1]), "test")
@@ -82,6 +82,17 @@ class LoopbackFederation:
                 node += ["--insecure"]
             config = f"partition-id={k} num-partitions={clients} worker-dir='{self.worker_dir}'"
             self._start(name, [*node, "--node-config", config])
+
+    def _wait_listening(self, port: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[0].poll() is not None:
+                raise RuntimeError(f"the SuperLink exited:\n{(self.home / 'superlink.log').read_text()[-3000:]}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=2.0):
+                time.sleep(1.0)  # listening; give its other services a moment
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
 
     def worker_status(self) -> list[dict]:
         """The status of every promptfcl node worker these nodes started (pid, runtime builds, messages)."""
@@ -97,7 +108,7 @@ class LoopbackFederation:
         nodes = json.loads(self.flwr("supernode", "list", "test", "--format", "json"))["nodes"]
         return sum(n["status"] == "online" for n in nodes)
 
-    def wait_online(self, expected: int, timeout: float = 120.0) -> int:
+    def wait_online(self, expected: int, timeout: float = 300.0) -> int:
         """Wait until `expected` nodes are online (or `timeout` passes); returns how many are."""
         deadline = time.monotonic() + timeout
         while self.online_nodes() < expected and time.monotonic() < deadline:
@@ -129,11 +140,11 @@ class LoopbackFederation:
         self.runs.append(proc)
         return proc
 
-    def run(self, app: Path, run_config: str, timeout: int = 400) -> dict:
+    def run(self, app: Path, run_config: str, timeout: int = 900) -> dict:
         """Run an experiment through the federation; returns the ServerApp's `{"promptfcl": ...}` summary."""
         return self.result(self.start_run(app, run_config), timeout)
 
-    def result(self, proc: subprocess.Popen, timeout: int = 400) -> dict:
+    def result(self, proc: subprocess.Popen, timeout: int = 900) -> dict:
         stdout, stderr = proc.communicate(timeout=timeout)
         out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         for line in out.stdout.splitlines():
