@@ -138,16 +138,20 @@ class AsynchronousConfig(StrictModel):
       2 %: every (client, task) its own slice.)
     - `distinct`: the r-th occurrence of a class (tasks in client-major order k·T + j) uses slice r mod
       `data_slices`, so every repeat of a class sees different images, as long as a class occurs at most
-      `data_slices` times (further repeats cycle).
+      `data_slices` times (further repeats cycle, possibly onto a slice another client trained on).
+    - `disjoint`: no image is trained on by two clients: each client using a class is reserved a slice of its own,
+      the class's spare slices go to repeats (as in `distinct`), after which a repeat reuses the client's own
+      slices (needs `data_slices` ≥ the clients using a class; `data_slices` ≥ `num_clients` always suffices).
     """
 
     switching_clients: int | None = Field(None, ge=0, description="clients that switch per stage; default ⌊K/2⌋")
     min_overlap: int = Field(0, ge=0, description="Powder's `sim`: least classes reused from an earlier task")
     data_slices: int = Field(5, gt=0, description="each task uses 1/data_slices of every class's images")
-    slice_rule: Literal["powder", "distinct"] = Field(
+    slice_rule: Literal["powder", "distinct", "disjoint"] = Field(
         "powder",
         description="powder: slice (k·T + j) mod data_slices (Powder's code); distinct: every repeat of a class "
-        "gets the next slice, so repeats see different images",
+        "gets the next slice, so repeats see different images; disjoint: every client its own slices of a class "
+        "(spare ones to repeats), so no two clients share an image",
     )
 
 

@@ -63,6 +63,9 @@ def backbone_label(cfg: dict[str, Any]) -> str:
     return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}"
 
 
+SLICE_NOTES = {"distinct": ", a new slice per class repeat", "disjoint": ", no image shared by two clients"}
+
+
 def scenario_label(cfg: dict[str, Any]) -> str:
     s, d = cfg.get("scenario", {}), cfg.get("data", {})
     p = s.get("partition", {})
@@ -81,7 +84,7 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         part = (
             f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
             f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices"
-            f"{', a new slice per class repeat' if a.get('slice_rule') == 'distinct' else ''})"
+            f"{SLICE_NOTES.get(a.get('slice_rule'), '')})"
         )
     elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
         q = s.get("personalized") or {}
