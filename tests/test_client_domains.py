@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from promptfcl.config import DomainsConfig, ScenarioConfig, build_config
 from promptfcl.data.domains import ImageDomain, draw_domains, keyed_normal
 from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.regimes import SlotEvaluator
 from promptfcl.experiment import Experiment
 from promptfcl.federation.inprocess import run_client
@@ -366,3 +367,20 @@ def test_a_c2prompt_run_with_domains_records_them_and_reports_show_them(tmp_path
     label = scenario_label(yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()))
     assert label.endswith("no image shared by two clients), per-client image domains: colour / none / blur+noise, "
                           "2 rounds/task")  # fmt: skip
+
+
+@pytest.mark.assets
+def test_the_cifar100_domains_preset_gives_every_client_its_own_domain_and_images(assets_dir, monkeypatch) -> None:
+    """configs/cpu/c2prompt_cifar100_domains.yaml on the real CIFAR-100: five different domains, no training image
+    used by two clients, every (client, task) tested in its owner's domain (the scenario only: nothing is trained)."""
+    from promptfcl.config import load_config
+    from promptfcl.runtime import load_dataset
+
+    monkeypatch.setenv("PROMPTFCL_ASSETS", str(assets_dir))
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu" / "c2prompt_cifar100_domains.yaml")
+    ds = load_dataset(cfg)
+    s = build_scenario(cfg.scenario, ds.train.targets.numpy(), ds.test.targets.numpy(), 100, cfg.seed)
+    assert s.domains is not None and len(set(s.domains)) == 5 and all(d.steps for d in s.domains)
+    assert images_shared_by_two_clients(s) == 0
+    ev = SlotEvaluator(ds.test, s, ImageTransform(112), 64, torch.device("cpu"))
+    assert all(ev.domain(g) == s.domains[s.owners[g][0]] for g in range(len(s.task_classes)))

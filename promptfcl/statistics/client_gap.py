@@ -17,7 +17,7 @@ synthetic images.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
@@ -39,6 +39,7 @@ class ClientGap:
     between_class: float
     pairs: int
     samples: int
+    per_pair: list[dict[str, Any]] = field(default_factory=list)  # {class, clients, gap, floor} of each pair
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +49,7 @@ class ClientGap:
             "between_class": self.between_class,
             "pairs": self.pairs,
             "samples": self.samples,
+            "per_pair": self.per_pair,
         }
 
 
@@ -60,18 +62,19 @@ def _ratio(x: torch.Tensor, y: torch.Tensor) -> float:
 def client_class_gap(features: torch.Tensor, classes: torch.Tensor, clients: torch.Tensor) -> ClientGap:
     """The mean gap over every class and every pair of clients holding ≥ 2 samples of it (features (N, d) float)."""
     f = features.double()
-    gaps, floors, between = [], [], []
+    gaps, floors, between, per_pair = [], [], [], []
     groups: dict[int, dict[int, torch.Tensor]] = {}
     for c in classes.unique().tolist():
         for k in clients[classes == c].unique().tolist():
             sel = (classes == c) & (clients == k)
             if int(sel.sum()) >= 2:
                 groups.setdefault(int(c), {})[int(k)] = f[sel]
-    for by_client in groups.values():
+    for c, by_client in groups.items():
         for a, b in combinations(sorted(by_client), 2):
             x, y = by_client[a], by_client[b]
             gaps.append(_ratio(x, y))
             floors.append(float(np.sqrt(1 / len(x) + 1 / len(y))))
+            per_pair.append({"class": c, "clients": [a, b], "gap": gaps[-1], "floor": floors[-1]})
     for c, d in combinations(sorted(groups), 2):  # two classes of one client (no domain between them)
         shared = sorted(set(groups[c]) & set(groups[d]))
         if shared:
@@ -83,6 +86,7 @@ def client_class_gap(features: torch.Tensor, classes: torch.Tensor, clients: tor
         float(np.mean(between)) if between else nan,
         len(gaps),
         int(sum(len(x) for g in groups.values() for x in g.values())),
+        per_pair,
     )
 
 
