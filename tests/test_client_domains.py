@@ -12,7 +12,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from promptfcl.config import DomainsConfig, ScenarioConfig, build_config
+from promptfcl.config import ConfigError, DomainsConfig, ScenarioConfig, build_config
 from promptfcl.data.domains import ImageDomain, draw_domains, keyed_normal
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
@@ -142,6 +142,14 @@ def test_domain_config_is_validated_up_front() -> None:
     with pytest.raises(ValidationError, match="0 ≤ low ≤ high"):
         ScenarioConfig(**ok, domains={"clients": "mixed", "noise_std": [0.2, 0.1]})
     assert ScenarioConfig(**ok, domains={"clients": ["colour+noise", "none", "blur"]}).domains is not None
+
+
+def test_a_probe_cell_refuses_a_scenario_with_domains(tmp_path: Path) -> None:
+    """The frozen probe pools every client's images, which per-client domains make ill-defined: a clear error."""
+    from promptfcl.frozen_probe import probe_run
+
+    with pytest.raises(ConfigError, match="drop probe: true"):
+        probe_run(build_config(deep_update(TINY, DOMAIN_RUN)), tmp_path / "probe")
 
 
 # ------------------------------------------------------------------------------------------ where they are applied
