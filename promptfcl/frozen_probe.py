@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.config import ExperimentConfig, dump_config
+from promptfcl.config import ConfigError, ExperimentConfig, dump_config
 from promptfcl.data import resolve_root
 from promptfcl.data.cache import materialize
 from promptfcl.data.transforms import ImageTransform
@@ -85,6 +85,11 @@ def probe_run(cfg: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = Runtime.build(cfg)
     sc, train, test = rt.scenario, rt.dataset.train, rt.dataset.test
+    if sc.domains is not None:
+        raise ConfigError(
+            "a probe cell pools every client's images, but scenario.domains shows each client its images in its own "
+            "domain; drop probe: true from this family or scenario.domains from its base config"
+        )
     tr_idx = np.unique(np.concatenate([np.asarray(i) for row in sc.client_train for i in row if len(i)]))
     classes = sorted({int(c) for t in sc.label_space.tasks for c in t.classes})
     te_idx = np.flatnonzero(np.isin(test.targets.numpy(), classes))

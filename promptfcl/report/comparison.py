@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from promptfcl.checkpoint import atomic_write_text
+from promptfcl.config import client_domain_steps
 from promptfcl.report.collect import (
     Group,
     RunResult,
@@ -63,6 +64,17 @@ def backbone_label(cfg: dict[str, Any]) -> str:
     return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}"
 
 
+SLICE_NOTES = {"distinct": ", a new slice per class repeat", "disjoint": ", no image shared by two clients"}
+
+
+def domains_label(domains: dict[str, Any] | None, num_clients: int) -> str:
+    """', per-client image domains: colour / blur / …' (client order) for `scenario.domains`, else ''."""
+    if not domains or not domains.get("clients"):
+        return ""
+    steps = client_domain_steps(domains["clients"], num_clients)
+    return ", per-client image domains: " + " / ".join("+".join(s) or "none" for s in steps)
+
+
 def scenario_label(cfg: dict[str, Any]) -> str:
     s, d = cfg.get("scenario", {}), cfg.get("data", {})
     p = s.get("partition", {})
@@ -81,8 +93,9 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         part = (
             f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
             f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices"
-            f"{', a new slice per class repeat' if a.get('slice_rule') == 'distinct' else ''})"
+            f"{SLICE_NOTES.get(a.get('slice_rule'), '')})"
         )
+        part += domains_label(s.get("domains"), s.get("num_clients") or 0)
     elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
         q = s.get("personalized") or {}
         classes = (

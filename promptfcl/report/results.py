@@ -94,6 +94,8 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     bound = [("upper bound", str(metrics["upper_bound"]))] if metrics.get("upper_bound") else []
     scored = scored_model_label(metrics)
     bound += [("scored on", f"{scored}, per (client, task)")] if scored else []
+    domains = metrics.get("client_domains")  # per-client image domains (scenario.domains), in client order
+    bound += [("client image domains", " / ".join(domains))] if domains else []
     return (
         bound
         + groups

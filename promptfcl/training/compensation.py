@@ -59,7 +59,7 @@ def train_compensation(
     what LCDC must improve on), of the feature with the freshly initialised prompts (`lcdc_nll_before`) and with
     the trained ones (`lcdc_nll_after`)."""
     n = len(data) if diagnostic_samples is None else min(diagnostic_samples, len(data))
-    probe = LabeledSubset(data.split, data.indices[:n], data.targets[:n])
+    probe = data.head(n)
     unprompted = mean_nll(backbone, None, probe, index_of, mean, var, transform, device, eps) if n else None
     before = mean_nll(backbone, prompts, probe, index_of, mean, var, transform, device, eps) if n else float("nan")
     opt = torch.optim.Adam(prompts.parameters(), lr=lr)
