@@ -69,7 +69,7 @@ from torch import nn
 from promptfcl.federation.aggregation import class_affinity_weights, mix_rows, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, set_task
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, round_loss, set_task
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
@@ -303,8 +303,7 @@ class C2PromptServer(FedAvgServer):
             vals = [r.scalars[key] for r in replies.values() if key in r.scalars]
             if vals:
                 metrics[key] = sum(vals) / len(vals)
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics.update(loss=sum(losses) / len(losses) if losses else float("nan"), clients=len(usable))
+        metrics.update(round_loss(usable), clients=len(usable))
         if usable:
             self.cpa_diagnostics = {}
             self.aggregate(usable)
@@ -411,8 +410,8 @@ class DirectServer(FedAvgServer):
         for k, r in replies.items():
             if r.scalars.get("num_samples", 0) > 0:
                 self.tasks[label[k]] = {n: r.tensors[n] for n in names}
-        losses = [r.scalars["loss"] for r in replies.values() if r.scalars.get("num_samples", 0) > 0]
-        return {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(replies)}
+        trained = {k: r for k, r in replies.items() if r.scalars.get("num_samples", 0) > 0}
+        return {**round_loss(trained), "clients": len(replies)}
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         g = -1 if label_task is None else label_task

@@ -89,7 +89,7 @@ from promptfcl.federation.clustering import (
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, ServerProgram
 from promptfcl.methods.clip_baselines import ClipFedAvgParams, build_clip_model
-from promptfcl.methods.fedavg import SupervisedClient
+from promptfcl.methods.fedavg import SupervisedClient, loss_scalars, round_loss
 from promptfcl.methods.registry import register_method
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.long_tail import class_groups
@@ -226,7 +226,7 @@ class CaptClient(SupervisedClient):
             parts += model.part_names("coupling")
         return Message(
             {**{k: state[k] for k in parts}, "label_counts": self.label_counts(ctx)},
-            {"num_samples": len(ctx.train_data), "loss": stats["loss"]},
+            {"num_samples": len(ctx.train_data), **loss_scalars(stats)},
             kind="train_reply",
         )
 
@@ -329,8 +329,7 @@ class CaptServer(ServerProgram):
             self.counts[c] = r.tensors["label_counts"].numpy()
             self.known.add(c)
         ids, rs = list(usable), list(usable.values())
-        loss = sum(r.scalars["loss"] for r in rs) / len(rs)
-        metrics["loss"] = loss
+        metrics.update(round_loss(usable))
         seed = derive_seed(self.env.seed, "capt", info.task, info.round)
 
         # the evaluated global model: participants' means (P_c rows from the clients that hold each class)
@@ -368,7 +367,7 @@ class CaptServer(ServerProgram):
                         updates[ids[i]].tensors.update({MODEL + k: v for k, v in avg.items()})
         grid.send(updates)
         sent += sum(m.nbytes() for m in updates.values())
-        self._schedule(sync, loss, sent, metrics)
+        self._schedule(sync, metrics["loss"], sent, metrics)
         return metrics
 
     def _schedule(self, sync: bool, loss: float, sent: int, metrics: dict[str, float]) -> None:

@@ -87,6 +87,7 @@ from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_
 from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.methods.fedavg import round_loss
 from promptfcl.methods.fedavg_prompt import check_layers
 from promptfcl.methods.fedmgp_model import (
     GLOBAL_HEAD,
@@ -238,7 +239,7 @@ class FedMGPClient(ClientProgram):
         p, space = self.params, ctx.space(self.env)
         mask = space.train_mask(ctx.task, "current_task")
         tf = self.env.train_transform(p.augment)
-        losses = []
+        losses, final = [], {}
         if len(ctx.train_data) and model.global_pool is not None:  # phase 1: coarse global prompts + H_g
             self._trainable(model, ["global_pool", "global_head"])
 
@@ -248,6 +249,7 @@ class FedMGPClient(ClientProgram):
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "global"), ctx.device,
                                 global_loss)  # fmt: skip
             losses.append(stats["loss"])
+            final = stats
         if len(ctx.train_data) and model.local_pool is not None:  # phase 2: fine local prompts, global frozen
             self._trainable(model, ["local_pool", f"local_heads.{ctx.task}."])
             pull = p.local_pull_coef > 0
@@ -259,6 +261,7 @@ class FedMGPClient(ClientProgram):
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "local"), ctx.device,
                                 local_loss)  # fmt: skip
             losses.append(stats["loss"])
+            final = stats  # the phase whose head is evaluated: its final-epoch loss is the validity gate's
         self._trainable(model, [])
         remember_local(self.predict(model, ctx), ctx, self.env, message)
         ctx.state.tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
@@ -268,6 +271,7 @@ class FedMGPClient(ClientProgram):
             upload.update(subset_state(model, GLOBAL_HEAD))
         scalars = {
             "num_samples": len(ctx.train_data),
+            **{k: final[k] for k in ("last_loss", "chance_loss") if k in final},
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "classes": list(space.tasks[ctx.task].classes),
         }
@@ -327,9 +331,7 @@ class FedMGPServer(ServerProgram):
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         replies = grid.broadcast(info.participants, Message(self.shared(), kind="train"))
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics: dict[str, float] = {"loss": sum(losses) / len(losses) if losses else float("nan"),
-                                     "clients": len(usable)}  # fmt: skip
+        metrics: dict[str, float] = {**round_loss(usable), "clients": len(usable)}
         if usable and self.params.shared() == (GLOBAL_POOL,):
             metrics.update(self.fuse(usable, info))
         elif usable and self.params.shared() == (LOCAL_POOL,):
