@@ -56,7 +56,7 @@ from promptfcl.federation.aggregation import project_gram, regmean, regularize_g
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
 from promptfcl.seeding import torch_generator
@@ -136,7 +136,7 @@ class LoRMClient(SupervisedClient):
         state = model.get_state()
         out = {k: state[k] for k in factor_names(model, factor) + ["head.weight", "head.bias"]}
         out.update(self.grams(model, message, ctx))
-        return Message(out, {"num_samples": len(ctx.train_data), "loss": stats["loss"]}, kind="train_reply")
+        return Message(out, {"num_samples": len(ctx.train_data), **loss_scalars(stats)}, kind="train_reply")
 
     def grams(self, model: PromptedClassifier, message: Message, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The regularised Gram of every adapted projection's inputs (diagonal when γ = 0) and of the head's."""
@@ -205,8 +205,7 @@ class LoRMServer(FedAvgServer):
         self.round_info = info
         replies = grid.broadcast(info.participants, self.downlink(info))
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
+        metrics = {**round_loss(usable), "clients": len(usable)}
         if usable:
             self.merge_clients(usable, trained_factor(self.params, info.round))
         if info.round == int(self.env.extras.get("rounds_per_task", 1)) - 1:

@@ -53,7 +53,7 @@ from promptfcl.federation.aggregation import prototype_reweight, weighted_mean
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
 from promptfcl.methods.registry import register_method
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
@@ -161,7 +161,7 @@ class PILoRAClient(SupervisedClient):
         if len(ctx.train_data):
             means = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
             out.update(means.to_tensors())
-        scalars = {"num_samples": len(ctx.train_data), "loss": stats["loss"]}
+        scalars = {"num_samples": len(ctx.train_data), **loss_scalars(stats)}
         steps = max(getattr(self, "parts", {}).get("steps", 0), 1)
         if len(ctx.train_data):
             scalars.update(dce=self.parts["dce"] / steps, ort=self.parts["ort"] / steps)
@@ -225,8 +225,7 @@ class PILoRAServer(FedAvgServer):
         self.round_info = info
         replies = grid.broadcast(info.participants, self.downlink(info))
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics = {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(usable)}
+        metrics = {**round_loss(usable), "clients": len(usable)}
         for part in ("dce", "ort"):  # the loss terms (the total also holds the L1 term)
             values = [r.scalars[part] for r in usable.values() if isinstance(r.scalars.get(part), float)]
             if values:
