@@ -19,8 +19,8 @@ something. Every run's `metrics.json` gets a `validity` block, `{"valid": bool, 
 - method signals, read from the round log when a method reports them:
   `key_hit` (FedMGP: test-time local-prompt hit rate ≥ `KEY_HIT_FACTOR` × its chance rate, last evaluation),
   `generator_fidelity` (HePCo: the client heads classify the generator's latents as their conditioning label at
-  least a `MIN_FIDELITY` fraction of the time, mean over rounds), `stage_a` (HePCo: prompt distillation moves the prompts
-  by at least `MIN_STAGE_A` of the round's FedAvg move and lowers its loss, mean over rounds), `lcdc` (C2Prompt:
+  least a `MIN_FIDELITY` fraction of the time, mean over rounds), `stage_a` (HePCo: prompt distillation moves the
+  prompts by at least `MIN_STAGE_A` of the round's FedAvg move and lowers its loss, mean over rounds), `lcdc` (C2Prompt:
   compensation prompts bring the features closer to the global class Gaussians than the unprompted ones — NLL
   after < unprompted NLL, mean over rounds).
 """
