@@ -114,20 +114,20 @@ def test_correlation_is_the_powered_signature_cosine_over_common_tasks() -> None
     N, L = 2, 3
     base = torch.rand(L, 2 * N, generator=gen)
     sigs = {
-        0: ([0, 1], base),
-        1: ([0, 1], torch.rand(L, 2 * N, generator=gen)),
-        # measured later, against one more task: on the common tasks 0, 1 it equals task 0's signature
-        2: ([0, 1, 2], torch.cat([base, torch.rand(L, N, generator=gen)], dim=1)),
+        0: ([0, 3], base),
+        1: ([0, 3], torch.rand(L, 2 * N, generator=gen)),
+        # measured later, against one more task (2) between them: on the common tasks 0, 3 it equals task 0's
+        3: ([0, 2, 3], torch.cat([base[:, :N], torch.rand(L, N, generator=gen), base[:, N:]], dim=1)),
     }
-    assert signature_similarity(sigs[0], sigs[2], N) == pytest.approx(1.0)
+    assert signature_similarity(sigs[0], sigs[3], N) == pytest.approx(1.0)
     keys, W = correlation(sigs, N, 30.0)
-    assert keys == [0, 1, 2] and torch.allclose(W.sum(1), torch.ones(3))
+    assert keys == [0, 1, 3] and torch.allclose(W.sum(1), torch.ones(3))
     sim = torch.tensor([[signature_similarity(sigs[a], sigs[b], N) for b in keys] for a in keys])
     want = sim.clamp_min(0) ** 30
     assert torch.allclose(W, (want / want.sum(1, keepdim=True)).float(), atol=1e-6)
     assert W[2, 0] == pytest.approx(W[2, 2]) and W[2, 0] > 10 * W[2, 1]
     # class correlations: same-group pairs are cut, only the top-k of each row survive
-    _, Wc = correlation(sigs, N, 30.0, top_k=2, group={0: 0, 1: 1, 2: 0})
+    _, Wc = correlation(sigs, N, 30.0, top_k=2, group={0: 0, 1: 1, 3: 0})
     assert Wc[0, 2] == 0 and Wc[2, 0] == 0 and (Wc > 0).sum(1).le(2).all()
 
 
