@@ -215,7 +215,7 @@ class PowderClient(SupervisedClient):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._teacher: nn.Module | None = None  # a working copy, reloaded from every train message
+        self._received: nn.Module | None = None  # a working copy, reloaded from every train message
 
     def handle(self, message: Message, ctx: ClientContext) -> Message:
         if message.kind == "signature":
@@ -253,10 +253,10 @@ class PowderClient(SupervisedClient):
 
     def teacher(self, message: Message) -> nn.Module:
         """The model as received (the distillation teacher)."""
-        if self._teacher is None:
-            self._teacher = self.new_model()
-        self._teacher.set_state({k: message.tensors[k] for k in self._teacher.state_dict()})
-        return self._teacher.eval()
+        if self._received is None:
+            self._received = self.new_model()
+        self._received.set_state({k: message.tensors[k] for k in self._received.state_dict()})
+        return self._received.eval()
 
     def ntd_term(self, message: Message, ctx: ClientContext):  # noqa: ANN201 - (x, y, logits) → loss, or None
         """Powder's weighted not-true distillation from the received model, or None when off this round."""
@@ -365,10 +365,14 @@ class PowderServer(FedAvgServer):
             msgs[k] = Message({**self.task_state(g), **own, **extras.get(k, {})}, {"ntd": ntd, **scalars}, kind="train")
         replies = grid.send(msgs)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics.update({**round_loss(usable), "clients": len(usable)})
+        metrics.update({**self.reply_metrics(replies), **round_loss(usable), "clients": len(usable)})
         if usable:
             metrics.update(self.absorb(usable, labels))
         return metrics
+
+    def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        """Round metrics read from every reply, trained or not (C2Prompt's LCDC diagnostics)."""
+        return {}
 
     def round_extras(
         self, grid: Grid, info: RoundInfo, labels: dict[int, int], metrics: dict[str, float]
