@@ -14,6 +14,7 @@ import torch
 from promptfcl.experiment import Experiment
 from promptfcl.federation.aggregation import class_affinity_weights
 from promptfcl.methods.c2prompt import C2PromptPowderClient, C2PromptPowderServer
+from promptfcl.prompts.codap import attention_weights
 
 from .conftest import tiny_config
 from .test_c2prompt import ASYNC, POOL, programs_on_a_grid, run_round
@@ -69,3 +70,20 @@ def test_c2prompt_on_powder_runs_lcdc_signatures_and_cpa(tmp_path: Path) -> None
     assert all(r["lcdc_nll_after"] < r["lcdc_nll_before"] and "powder_self_weight" in r for r in starts)
     assert all(0 < r["cpa_self_weight"] < r["cpa_own_client_weight"] < 1 for r in rounds)
     assert m["scored_model"] == "task" and m["regime"] == "task_aware_slots"
+
+
+def test_powder_base_histogram_counts_the_own_blocks_alpha_per_layer() -> None:
+    """H[l, m, c] += Σ_{x of real class c} α^{(l)}_m(x), α from the client's own block's keys and attention vectors
+    of layer l (computed here from scratch)."""
+    rt, server, grid = programs_on_a_grid(c2p_powder(lcdc=False))
+    server.begin_task(0)
+    server.trained[0] = True
+    model, client = server.client_model(0, 0), grid.client
+    x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    q, real = rt.env.backbone.query(x), torch.tensor([3, 3, 5, 7, 5, 3])
+    client._hist = torch.zeros(2, 2, 12)
+    client.accumulate(model, q, real)
+    for layer in range(2):
+        alpha = attention_weights(q, model.prompt.own_keys[layer], model.prompt.own_attention[layer])
+        want = torch.zeros(2, 12).index_add_(1, real, alpha.detach().T)
+        assert torch.allclose(client._hist[layer], want, atol=1e-6), layer
