@@ -11,5 +11,6 @@ CLIENT_MESSAGE_KINDS: tuple[str, ...] = (
     "label_counts",  # CAPT
     "update",  # CAPT
     "stats",  # C2Prompt
+    "signature",  # Powder (and C2Prompt with base: powder)
     "evaluate",  # the client_local evaluation regime (FedMGP and the baselines on personalized scenarios)
 )
