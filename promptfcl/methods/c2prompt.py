@@ -85,7 +85,7 @@ from promptfcl.federation.aggregation import class_affinity_weights, mix_rows, w
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, set_task
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, round_loss, set_task
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
 from promptfcl.methods.powder import PowderClient, PowderKnobs, PowderServer, powder_model
 from promptfcl.methods.registry import register_method
@@ -421,9 +421,7 @@ class C2PromptServer(FedAvgServer):
         }
         replies = grid.send(msgs)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics.update(lcdc_metrics(replies))
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics.update(loss=sum(losses) / len(losses) if losses else float("nan"), clients=len(usable))
+        metrics.update({**lcdc_metrics(replies), **round_loss(usable), "clients": len(usable)})
         if usable:
             self.cpa_diagnostics = {}
             self.aggregate(usable)
