@@ -12,5 +12,6 @@ CLIENT_MESSAGE_KINDS: tuple[str, ...] = (
     "update",  # CAPT
     "stats",  # C2Prompt
     "gram",  # LoRM (end-of-task Gram matrices)
+    "signature",  # Powder (and C2Prompt with base: powder)
     "evaluate",  # the client_local evaluation regime (FedMGP and the baselines on personalized scenarios)
 )
