@@ -40,7 +40,7 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
-from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, has_prompts
+from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, prompt_effect_applies
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
 from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.protocol import Grid, ServerProgram
@@ -61,7 +61,7 @@ class ServerSideRegime:
         """state["prompt_effect"] from (model, batches of (x, y, mask)) pairs, when the backbone can drop prompts."""
         if self.backbone is None or not hasattr(self.backbone, "prompts_disabled"):
             return
-        if not any(has_prompts(m) for m, _ in models):
+        if not any(prompt_effect_applies(m) for m, _ in models):
             state["prompt_effect"] = {"applicable": False}
             return
         effect = PromptEffect()

@@ -79,6 +79,16 @@ class MGPModel(nn.Module):
         self.readout = readout
         self.local_aux: torch.Tensor = torch.zeros(())
 
+    @property
+    def prompted(self) -> bool:
+        return self.global_pool is not None or self.local_pool is not None
+
+    @property
+    def prompt_free_forward(self) -> bool:
+        """False when the heads read the global prompt tokens' outputs (`prompt_mean`): without prompts there is
+        nothing to read, so the validity gate's with / without prompts comparison is undefined for this model."""
+        return not (self.readout == "prompt_mean" and self.global_pool is not None)
+
     # ------------------------------------------------------------------------------------- pieces
     def global_spec(self, x: torch.Tensor) -> PromptSpec | None:
         """The selected global prompts for `x` (query: the unprompted frozen feature), or None without a pool."""
