@@ -21,7 +21,8 @@ the cell's list wins for a key both name) expands a cell into the cartesian grid
 cell of its own named `<cell>-<key>=<value>…` (key: the last part of the dotted path) with the point's
 overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
 finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint, and up to
-`jobs` run at once with the CPU threads split between them. The table (mean ± std over seeds) goes to
+`jobs` run at once with the CPU threads split between them, seed by seed (every cell's first seed before any
+second one, so partial results already compare every cell). The table (mean ± std over seeds) goes to
 `OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report OUT` reads).
 `direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
 total transfer) of asynchronous (Powder/C2Prompt) runs; they are computed at summary time, per seed.
@@ -214,7 +215,7 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
     from promptfcl.runtime import check_config
 
     cells = expand_cells(study)
-    configs = {(c.name, s): cell_config(study, study_dir, c, s) for c in cells for s in study.seeds}
+    configs = {(c.name, s): cell_config(study, study_dir, c, s) for s in study.seeds for c in cells}  # seed-major
     for (cell, seed), cfg in configs.items():  # registries, data files, method parameters: before anything runs
         try:
             check_config(cfg)
