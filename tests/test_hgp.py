@@ -110,7 +110,7 @@ def test_server_receives_only_parameters_and_class_statistics(tmp_path) -> None:
         for cid, reply in replies.items():
             stats_names = {n for n in reply.tensors if n not in params}
             assert stats_names == {"stats/classes", "stats/counts", "stats/means", "stats/spread"}
-            assert set(reply.scalars) == {"num_samples", "loss"}
+            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "chance_loss"}
             s = ClassStatistics.from_tensors(reply.tensors)
             # exactly the client's classes with >= 2 samples, their true counts, one d-vector each
             idx = exp.scenario.client_indices(task, cid)
