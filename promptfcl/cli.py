@@ -1,6 +1,6 @@
 """Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
 `promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
-`promptfcl probe CONFIG`, `promptfcl list`."""
+`promptfcl probe CONFIG`, `promptfcl claims CLAIMS.yaml`, `promptfcl list`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.config is None:
             raise ConfigError("give a config file (promptfcl run configs/quickstart.yaml) or --resume RUN_DIR")
         cfg = load_config(args.config, args.set)
+        if args.probe:
+            from promptfcl.frozen_probe import probe_run
+
+            if not args.run_dir:
+                raise ConfigError("promptfcl run --probe needs --run-dir")
+            metrics = probe_run(cfg, Path(args.run_dir))
+            console.print(f"frozen-feature probe: {metrics['summary']}")
+            return 0
         run_dir = (
             Path(args.run_dir)
             if args.run_dir
@@ -199,6 +207,15 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _claims(args: argparse.Namespace) -> int:
+    from promptfcl.claims import write_claims
+
+    text = write_claims(args.claims, args.out)
+    console.print(text.split("\n## ")[0], markup=False, highlight=False)
+    console.print(f"written to {args.out}")
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     import timm
 
@@ -233,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="write results here (default: OUTPUT_DIR/NAME_TIMESTAMP)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress display")
+    run.add_argument(
+        "--probe", action="store_true", help="train nothing: the frozen-feature probe of the scenario's data (a row)"
+    )
     run.add_argument(
         "--engine",
         choices=["inprocess", "flower-sim"],
@@ -287,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--first-classes", type=int, default=20, help="also probe the first K class ids (default 20)")
     pb.add_argument("--out", help="write the results as JSON here")
     pb.set_defaults(func=_probe)
+    cl = sub.add_parser("claims", help="paired tests of the papers' claims from study summaries → Markdown")
+    cl.add_argument("claims", help="claims YAML (studies, cells, metric per claim)")
+    cl.add_argument("--out", default="docs/claims.md", help="Markdown output (default docs/claims.md)")
+    cl.set_defaults(func=_claims)
     ls = sub.add_parser("list", help="list methods, datasets and backbones")
     ls.set_defaults(func=_list)
     return p

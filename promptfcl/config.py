@@ -34,8 +34,17 @@ class DataConfig(StrictModel):
     train_per_class: int | None = Field(None, gt=0, description="keep this many train images per class")
     test_per_class: int | None = Field(None, gt=0, description="keep this many test images per class")
     options: dict[str, Any] = Field(default_factory=dict, description="dataset-specific options")
+    cache: bool = Field(
+        True,
+        description="file-based datasets: decode the kept images once into a memory-mapped uint8 file under "
+        "cache_dir (N·3·S² bytes, reused by later runs); false: decode into RAM at every run",
+    )
+    cache_dir: str | None = Field(
+        None, description="image cache folder; default $PROMPTFCL_CACHE, else ~/.cache/promptfcl"
+    )
+    decode_workers: int | None = Field(None, gt=0, description="threads decoding images; default: CPUs, at most 8")
 
-    @field_validator("root")
+    @field_validator("root", "cache_dir")
     @classmethod
     def _expand_root(cls, v: str | None) -> str | None:
         return os.path.expandvars(v) if v else v
@@ -66,16 +75,32 @@ class ParticipationConfig(StrictModel):
 
 
 class LongTailConfig(StrictModel):
-    """`scenario.kind: long_tailed`: global exponential long-tail subsampling, then the client partition.
+    """`scenario.kind: long_tailed`: the long-tailed training set, then the client partition.
 
-    Class c (in class order) keeps n_max·IF^(−c/(C−1)) training images (LDAM / CReFF); head / mid / tail classes
-    are those whose cumulative share of the sorted class counts, before them, is below `head_share` / below
-    `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
+    `profile: exponential` (default): global exponential long-tail subsampling, class c (in class order) keeps
+    n_max·IF^(−c/(C−1)) training images (LDAM / CReFF; CIFAR-10/100-LT, Fashion-MNIST-LT). `profile: dataset`:
+    the training split keeps its own class counts (ImageNet-LT's 5–1,280 images per class, as CAPT uses it); only
+    on datasets whose release is long-tailed (`imagenet_lt`, `image_folder` lists), without `imbalance_factor`
+    (`data.train_per_class`, if set, caps every class first and so flattens the head).
+    Head / mid / tail classes are those whose cumulative share of the sorted class counts, before them, is below
+    `head_share` / below `mid_share` / at least `mid_share` (FedLoGe's 75 % / 95 % thresholds, as CAPT uses).
     """
 
+    profile: Literal["exponential", "dataset"] = Field(
+        "exponential", description="exponential: subsample to IF; dataset: keep the training split's own counts"
+    )
     imbalance_factor: float = Field(100.0, ge=1, description="IF = n_max / n_min (CAPT: 100, 50, 10)")
     head_share: float = Field(0.75, gt=0, lt=1)
     mid_share: float = Field(0.95, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _factor_needs_exponential(self) -> LongTailConfig:
+        if self.profile == "dataset" and "imbalance_factor" in self.model_fields_set:
+            raise ValueError(
+                "scenario.long_tail.imbalance_factor shapes the exponential profile; profile: dataset keeps the "
+                "training split's own class counts, so drop imbalance_factor (or use profile: exponential)"
+            )
+        return self
 
 
 class PersonalizedConfig(StrictModel):
@@ -102,13 +127,96 @@ class AsynchronousConfig(StrictModel):
     client-major order) reuses a uniform number s ∈ [min_overlap, classes_per_task] of the classes of a random
     earlier task (of any client), the rest drawn fresh. Each (client, task) owns its own logit slots. The run has
     `num_tasks` stages of `rounds_per_task` rounds; at each stage boundary s a random `switching_clients` clients
-    jump to task s of their own sequence (skipping tasks), the others keep their current task. Each task uses the
-    slice (ordinal mod `data_slices`) of a fixed seeded permutation of every class's training images.
+    jump to task s of their own sequence (skipping tasks), the others keep their current task. Each task uses one
+    of `data_slices` disjoint slices of a fixed seeded permutation of every class's training images; `slice_rule`
+    picks which:
+
+    - `powder` (default, Powder's code `fl_main_hard.py`): slice (k·T + j) mod `data_slices` for client k's task j.
+      When T is a multiple of `data_slices` (Powder's ImageNet-R: T = 5 tasks, 5 slices) this is slice j for every
+      client, so a class that recurs at the same position j of two clients' sequences is trained on the *same*
+      images; repeats at different positions see different images. (Powder's DomainNet uses K·T = 50 slices of
+      2 %: every (client, task) its own slice.)
+    - `distinct`: the r-th occurrence of a class (tasks in client-major order k·T + j) uses slice r mod
+      `data_slices`, so every repeat of a class sees different images, as long as a class occurs at most
+      `data_slices` times (further repeats cycle, possibly onto a slice another client trained on).
+    - `disjoint`: no image is trained on by two clients: each client using a class is reserved a slice of its own,
+      the class's spare slices go to repeats (as in `distinct`), after which a repeat reuses the client's own
+      slices (needs `data_slices` ≥ the clients using a class; `data_slices` ≥ `num_clients` always suffices).
     """
 
     switching_clients: int | None = Field(None, ge=0, description="clients that switch per stage; default ⌊K/2⌋")
     min_overlap: int = Field(0, ge=0, description="Powder's `sim`: least classes reused from an earlier task")
     data_slices: int = Field(5, gt=0, description="each task uses 1/data_slices of every class's images")
+    slice_rule: Literal["powder", "distinct", "disjoint"] = Field(
+        "powder",
+        description="powder: slice (k·T + j) mod data_slices (Powder's code); distinct: every repeat of a class "
+        "gets the next slice, so repeats see different images; disjoint: every client its own slices of a class "
+        "(spare ones to repeats), so no two clients share an image",
+    )
+
+
+DOMAIN_STEPS = ("colour", "blur", "noise")
+# `clients: mixed`: client k gets entry k mod 7 — every client a different kind of shift for up to 7 clients (and
+# always different parameters)
+MIXED_DOMAINS = ("colour", "blur", "noise", "colour+blur", "colour+noise", "blur+noise", "colour+blur+noise")
+
+
+def client_domain_steps(clients: str | list[str], num_clients: int) -> list[tuple[str, ...]]:
+    """[client] → its domain's steps (`()`: none) from `scenario.domains.clients` (a preset name or a list)."""
+    names = [MIXED_DOMAINS[k % len(MIXED_DOMAINS)] for k in range(num_clients)] if clients == "mixed" else clients
+    return [() if n == "none" else tuple(n.split("+")) for n in names]
+
+
+class DomainsConfig(StrictModel):
+    """Per-client image domains (`scenario.domains`, asynchronous scenarios; `promptfcl.data.domains`): every image
+    a client trains on, and the test images of its own (client, task) evaluations, pass through the client's fixed
+    transform, so a class's features differ between clients (the cross-client gap C2Prompt's LCDC compensates).
+
+    `clients`: one entry per client — `none` or steps joined by `+` from `colour` (hue rotation about the grey
+    axis), `blur` (Gaussian), `noise` (additive Gaussian, a fixed function of the image and client) — or `mixed`
+    (client k: colour, blur, noise, colour+blur, colour+noise, blur+noise, colour+blur+noise, cycling). Each
+    client's parameters are drawn uniformly in the ranges below from (seed, client id) and saved in scenario.json.
+    """
+
+    clients: Literal["mixed"] | list[str] = Field(
+        ..., description="mixed, or one domain per client: none | colour | blur | noise | steps joined by +"
+    )
+    hue_degrees: tuple[float, float] = Field((60.0, 300.0), description="colour: hue rotation range (degrees)")
+    blur_sigma: tuple[float, float] = Field((0.02, 0.035), description="blur: σ range, as a fraction of the side")
+    noise_std: tuple[float, float] = Field((0.06, 0.12), description="noise: std range, as a fraction of 255")
+
+    @field_validator("clients")
+    @classmethod
+    def _known_steps(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str):
+            return v
+        for entry in v:
+            steps = entry.split("+")
+            bad = [s for s in steps if s not in DOMAIN_STEPS]
+            if entry != "none" and (bad or len(set(steps)) != len(steps)):
+                hint = difflib.get_close_matches(bad[0], DOMAIN_STEPS, 1) if bad else []
+                raise ValueError(
+                    f"unknown client domain {entry!r}: use none, or steps joined by + from {', '.join(DOMAIN_STEPS)}"
+                    + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                )
+        return v
+
+    @field_validator("hue_degrees", "blur_sigma", "noise_std")
+    @classmethod
+    def _ordered_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 <= v[0] <= v[1]:
+            raise ValueError(f"give a range [low, high] with 0 ≤ low ≤ high, got {list(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _sensible_strengths(self) -> DomainsConfig:
+        if self.hue_degrees[1] > 360:
+            raise ValueError("hue_degrees: a hue rotation lies in [0, 360] degrees")
+        if self.blur_sigma[0] <= 0 or self.blur_sigma[1] > 0.5:
+            raise ValueError("blur_sigma: σ is a fraction of the image side in (0, 0.5]; e.g. [0.02, 0.035]")
+        if self.noise_std[0] <= 0 or self.noise_std[1] > 1:
+            raise ValueError("noise_std: a fraction of the 0–255 range in (0, 1]; e.g. [0.06, 0.12]")
+        return self
 
 
 class ScenarioConfig(StrictModel):
@@ -117,7 +225,8 @@ class ScenarioConfig(StrictModel):
     `AsynchronousConfig`; `num_tasks` is both the number of stages and each client's sequence length,
     `classes_per_task` one int, the partition is not used), or FedMGP's per-client task sequences with local test
     splits (`kind: personalized`, see `PersonalizedConfig`). Builders are dispatched in
-    `promptfcl.scenario.scenario.build_scenario`."""
+    `promptfcl.scenario.scenario.build_scenario`. `domains` (asynchronous only) gives every client a fixed image
+    transform of its own (`DomainsConfig`)."""
 
     kind: Literal["class_incremental", "long_tailed", "asynchronous", "personalized"] = "class_incremental"
     num_tasks: int = Field(10, gt=0)
@@ -132,6 +241,9 @@ class ScenarioConfig(StrictModel):
     asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)
     personalized: PersonalizedConfig = Field(default_factory=PersonalizedConfig, description="kind: personalized")
     long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
+    domains: DomainsConfig | None = Field(
+        None, description="per-client image domains (asynchronous scenarios): each client's images are transformed"
+    )
     upper_bound: Literal["centralized", "joint"] | None = Field(
         None,
         description="an upper-bound row instead of the federation (promptfcl.scenario.upper_bound): centralized = "
@@ -149,9 +261,32 @@ class ScenarioConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _domains_fit(self) -> ScenarioConfig:
+        d = self.domains
+        if d is None:
+            return self
+        if self.kind != "asynchronous":
+            raise ValueError(
+                f"scenario.domains: per-client domains are defined on asynchronous scenarios (each (client, task) is "
+                f"tested on its own, in its client's domain), not on {self.kind} ones (one shared test set); set "
+                "scenario.kind: asynchronous or drop scenario.domains"
+            )
+        if isinstance(d.clients, list) and len(d.clients) != self.num_clients:
+            raise ValueError(
+                f"scenario.domains.clients lists {len(d.clients)} domains but num_clients is {self.num_clients}; "
+                "give one domain per client (none for an unchanged client) or use clients: mixed"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _long_tail_is_static(self) -> ScenarioConfig:
         if self.kind == "long_tailed" and self.num_tasks != 1:
             raise ValueError("a long_tailed scenario is one static task: set scenario.num_tasks: 1")
+        if self.long_tail.profile == "dataset" and self.kind != "long_tailed":
+            raise ValueError(
+                f"scenario.long_tail.profile: dataset applies to scenario.kind: long_tailed, not {self.kind}; set "
+                "scenario.kind: long_tailed (and num_tasks: 1) or drop scenario.long_tail.profile"
+            )
         if self.long_tail.mid_share <= self.long_tail.head_share:
             raise ValueError("scenario.long_tail.mid_share must exceed head_share")
         return self

@@ -21,13 +21,21 @@ import numpy as np
 import torch
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.config import ExperimentConfig, dump_config
+from promptfcl.config import ConfigError, ExperimentConfig, dump_config
 from promptfcl.data import resolve_root
+from promptfcl.data.cache import materialize
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.probe import first_per_class, frozen_features, probe
 from promptfcl.report.results import clean_json
-from promptfcl.runtime import Runtime, check_config, resolve_dataset_options, resolve_device, shared_backbone
+from promptfcl.runtime import (
+    Runtime,
+    check_config,
+    image_cache_dir,
+    resolve_dataset_options,
+    resolve_device,
+    shared_backbone,
+)
 
 
 def _backbone(cfg: ExperimentConfig, device: torch.device) -> tuple[torch.nn.Module, ImageTransform]:
@@ -51,8 +59,11 @@ def probe_backbone(
     ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
     device = resolve_device(cfg)
     backbone, tf = _backbone(cfg, device)
-    tr = ds.train.subset(first_per_class(ds.train.targets, train_per_class))
-    te = ds.test.subset(first_per_class(ds.test.targets, test_per_class))
+    cache, workers = image_cache_dir(cfg), cfg.data.decode_workers
+    tr = materialize(ds.train.subset(first_per_class(ds.train.targets, train_per_class)), spec.name, "train", cache,
+                     workers)  # fmt: skip
+    te = materialize(ds.test.subset(first_per_class(ds.test.targets, test_per_class)), spec.name, "test", cache,
+                     workers)  # fmt: skip
     ftr, fte = (frozen_features(backbone, s, tf, batch_size, device) for s in (tr, te))
     out: dict[str, Any] = {"all": probe(ftr, tr.targets, fte, te.targets, cfg.seed).as_dict()}
     if first_classes and first_classes < ds.num_classes:
@@ -74,6 +85,11 @@ def probe_run(cfg: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = Runtime.build(cfg)
     sc, train, test = rt.scenario, rt.dataset.train, rt.dataset.test
+    if sc.domains is not None:
+        raise ConfigError(
+            "a probe cell pools every client's images, but scenario.domains shows each client its images in its own "
+            "domain; drop probe: true from this family or scenario.domains from its base config"
+        )
     tr_idx = np.unique(np.concatenate([np.asarray(i) for row in sc.client_train for i in row if len(i)]))
     classes = sorted({int(c) for t in sc.label_space.tasks for c in t.classes})
     te_idx = np.flatnonzero(np.isin(test.targets.numpy(), classes))

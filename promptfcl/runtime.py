@@ -19,6 +19,7 @@ from promptfcl.backbones.precision import compile_problem, precision_problem
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
+from promptfcl.data.cache import CacheError, default_cache_dir, materialize
 from promptfcl.evaluation.regimes import check_regime
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
@@ -99,6 +100,14 @@ def _check_data(cfg: ExperimentConfig) -> None:
         n = spec.num_classes(options)
     except ValueError as e:
         raise ConfigError(f"data.options: {e}") from None
+    sc = cfg.scenario
+    if sc.kind == "long_tailed" and sc.long_tail.profile == "dataset" and not spec.own_long_tail:
+        own = ", ".join(name for name, s in DATASETS.items() if s.own_long_tail)
+        raise ConfigError(
+            f"scenario.long_tail.profile: dataset keeps the training split's own class counts, but {spec.name}'s "
+            f"training split is not long-tailed; use profile: exponential (the default) to subsample it to an "
+            f"imbalance factor, or a long-tailed release ({own})"
+        )
     try:
         if cfg.scenario.kind == "personalized":  # per-client task sequences: only the classes used count
             counts = [personalized_class_count(cfg.scenario, n)]
@@ -184,12 +193,26 @@ def _check_clip_backbone(cfg: ExperimentConfig) -> None:
 
 
 def load_dataset(cfg: ExperimentConfig) -> ImageDataset:
+    """The configured dataset, subsampled (`data.train_per_class` / `test_per_class`) before anything is decoded;
+    file-based splits are then decoded once into the image cache (`promptfcl.data.cache`) and mapped from it."""
+    d = cfg.data
     spec, options = resolve_dataset_options(cfg)
-    ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
+    ds = spec.load(resolve_root(spec, d.root), options, d.download)
     rng = numpy_rng(cfg.seed, "subsample")
-    ds.train = subsample_per_class(ds.train, cfg.data.train_per_class, rng)
-    ds.test = subsample_per_class(ds.test, cfg.data.test_per_class, rng)
+    train = subsample_per_class(ds.train, d.train_per_class, rng)
+    test = subsample_per_class(ds.test, d.test_per_class, rng)
+    ds.train = materialize(train, spec.name, "train", image_cache_dir(cfg), d.decode_workers)
+    ds.test = materialize(test, spec.name, "test", image_cache_dir(cfg), d.decode_workers)
     return ds
+
+
+def image_cache_dir(cfg: ExperimentConfig) -> Path | None:
+    """Where decoded images of file-based datasets are cached (`data.cache_dir`, else the default); None when
+    `data.cache: false` (decode into RAM). For `promptfcl.data.cache.materialize`."""
+    d = cfg.data
+    if not d.cache:
+        return None
+    return Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
 
 
 def shared_backbone(cfg: ExperimentConfig, device: torch.device) -> Any:
@@ -239,7 +262,7 @@ class Runtime:
             torch.set_num_threads(cfg.engine.threads)
         try:
             dataset = load_dataset(cfg)
-        except DataMissingError as e:
+        except (DataMissingError, CacheError) as e:
             raise ConfigError(f"data: {e}") from None
         if scenario_file is not None and scenario_file.is_file():
             scenario = Scenario.load(scenario_file)
@@ -267,10 +290,15 @@ class Runtime:
         for t in scenario.label_space.tasks:
             for c, j in zip(t.classes, t.logits, strict=True):
                 names[j] = dataset.class_names[c]
-        extras = {"class_names": names, "num_clients": scenario.num_clients}
+        extras = {
+            "class_names": names,
+            "num_clients": scenario.num_clients,
+            "rounds_per_task": scenario.rounds_per_task,  # methods with an end-of-task exchange (LoRM)
+        }
         env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras, schedule=scenario.schedule)
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
             env.extras["server_split"] = dataset.test
+            env.extras["client_tasks"] = scenario.client_tasks  # which head rows each client trains in each task
         return cls(cfg, spec, params, device, dataset, scenario, env)
 
     def programs(self) -> tuple[ServerProgram, ClientProgram]:

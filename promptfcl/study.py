@@ -13,13 +13,16 @@ cells:
   hepco:         {base: ../configs/cpu/hepco_cifar100.yaml}   # another scenario family
 ```
 
-A cell may name its own `base` (relative to the study file). Its `method` mapping replaces the base's method
+A cell may name its own `base` (relative to the study file). A cell with `probe: true` is the family's frozen-feature
+reference row: instead of training it runs the linear / nearest-class-mean probe of the frozen backbone on the
+training images and classes of its scenario (`promptfcl.frozen_probe`). Its `method` mapping replaces the base's method
 section (methods have different keys); its `set` list is applied after it. `sweep` (study-wide and per cell,
 the cell's list wins for a key both name) expands a cell into the cartesian grid of its values, each point a
 cell of its own named `<cell>-<key>=<value>…` (key: the last part of the dotted path) with the point's
 overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
 finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint, and up to
-`jobs` run at once with the CPU threads split between them. The table (mean ± std over seeds) goes to
+`jobs` run at once with the CPU threads split between them, seed by seed (every cell's first seed before any
+second one, so partial results already compare every cell). The table (mean ± std over seeds) goes to
 `OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report OUT` reads).
 `direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
 total transfer) of asynchronous (Powder/C2Prompt) runs; they are computed at summary time, per seed.
@@ -73,6 +76,9 @@ class CellConfig(StrictModel):
     """One row of the comparison: a method section and/or overrides on top of the base config."""
 
     base: str | None = Field(None, description="this cell's base config (relative to the study file)")
+    probe: bool = Field(
+        False, description="the family's frozen-feature reference row: probe the scenario's data, train nothing"
+    )
     method: dict[str, Any] | None = None
     set: list[str] = Field(default_factory=list)
     sweep: Sweep = Field(default_factory=dict, description="key path -> values; the cell becomes their grid")
@@ -162,6 +168,7 @@ class StudyRun:
     seed: int
     config_path: Path
     run_dir: Path
+    probe: bool = False
 
     @property
     def finished(self) -> bool:
@@ -208,7 +215,7 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
     from promptfcl.runtime import check_config
 
     cells = expand_cells(study)
-    configs = {(c.name, s): cell_config(study, study_dir, c, s) for c in cells for s in study.seeds}
+    configs = {(c.name, s): cell_config(study, study_dir, c, s) for s in study.seeds for c in cells}  # seed-major
     for (cell, seed), cfg in configs.items():  # registries, data files, method parameters: before anything runs
         try:
             check_config(cfg)
@@ -219,7 +226,8 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
         path = out / "configs" / f"{cell}_seed{seed}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_config(cfg))
-        runs.append(StudyRun(cell, seed, path, out / cell / f"seed{seed}"))
+        probe = study.cells[next(c.source for c in cells if c.name == cell)].probe
+        runs.append(StudyRun(cell, seed, path, out / cell / f"seed{seed}", probe))
     plan_json = {
         "study": study.name,
         "seeds": study.seeds,
@@ -232,6 +240,8 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
 
 def _command(run: StudyRun) -> list[str]:
     cmd = [sys.executable, "-m", "promptfcl", "run", "--quiet"]
+    if run.probe:
+        return [*cmd, "--probe", str(run.config_path), "--run-dir", str(run.run_dir)]
     if has_checkpoint(run.run_dir):
         return [*cmd, "--resume", str(run.run_dir)]
     return [*cmd, str(run.config_path), "--run-dir", str(run.run_dir)]
@@ -303,13 +313,21 @@ def summarize_study(study: StudyConfig, out: Path) -> str:
     w = csv.writer(buf)
     sweep_keys = sorted({k for r in rows for k in r["sweep"]})
     bounds = ["upper_bound"] if any(r.get("upper_bound") for r in rows) else []  # only when a row is one
-    head = ["cell", "method", "seeds", *bounds, *sweep_keys]
+    head = ["cell", "method", "seeds", "valid_seeds", *bounds, *sweep_keys]
     w.writerow(head + [f"{c} {s}" for c in columns for s in ("mean", "std")])
     for row in rows:
         vals = [x for c in columns for x in (row["values"].get(c) or ("", ""))]
         ub = [row.get("upper_bound") or ""] if bounds else []
         w.writerow(
-            [row["cell"], row["method"], row["seeds"], *ub, *(row["sweep"].get(k, "") for k in sweep_keys), *vals]
+            [
+                row["cell"],
+                row["method"],
+                row["seeds"],
+                row["valid_seeds"],
+                *ub,
+                *(row["sweep"].get(k, "") for k in sweep_keys),
+                *vals,
+            ]  # fmt: skip
         )
     atomic_write_text(out / "summary.csv", buf.getvalue())
     atomic_write_text(
@@ -320,11 +338,12 @@ def summarize_study(study: StudyConfig, out: Path) -> str:
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """The comparison table: one row per cell, mean ± std over its seeds (just the mean for one seed)."""
-    from promptfcl.report.collect import format_value, row_label
+    from promptfcl.report.collect import format_value, row_label, validity_label
 
-    header = "| cell | method | seeds | " + " | ".join(columns) + " |"
-    lines = [header, "|" + " --- |" * (3 + len(columns))]
+    header = "| cell | method | seeds | valid | " + " | ".join(columns) + " |"
+    lines = [header, "|" + " --- |" * (4 + len(columns))]
     for row in rows:
         vals = [format_value(row["values"].get(c), row["seeds"]) for c in columns]
-        lines.append(f"| {row_label(row)} | {row['method']} | {row['seeds']} | " + " | ".join(vals) + " |")
+        head = f"| {row_label(row)} | {row['method']} | {row['seeds']} | {validity_label(row)} | "
+        lines.append(head + " | ".join(vals) + " |")
     return "\n".join(lines)

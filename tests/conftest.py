@@ -56,3 +56,9 @@ def assets_dir() -> Path:
         if (p / "cifar-100-python" / "train").is_file():
             return p
     pytest.skip("shared assets not found: set PROMPTFCL_ASSETS to the folder holding cifar-100-python/ and models/")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _image_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Decoded-image caches of file-based test trees go to a session folder, never to a real cache."""
+    os.environ["PROMPTFCL_CACHE"] = str(tmp_path_factory.mktemp("image_cache"))

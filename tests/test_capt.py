@@ -1,5 +1,6 @@
-"""CAPT's defining behaviours: the two clusterings, L_ca, true-row-only updates, per-cluster downlink, the bandit,
-plus a tiny end-to-end run of CAPT and the CLIP baselines and a server-state round trip."""
+"""CAPT's defining behaviours: the two clusterings, L_ca, true-row-only updates, per-cluster downlinks of P_c and
+P_g, the bandit's reward setting the sync period, what each CLIP baseline learns and averages, plus a tiny
+end-to-end run of CAPT and a server-state round trip."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_js_divergence_values() -> None:
     assert js_divergence(p, q) == pytest.approx(0.5 * kl(p, m) + 0.5 * kl(q, m))
 
 
-def test_complementarity_clustering_mixes_head_heavy_with_tail_heavy_clients() -> None:
+def test_complementarity_clustering_paper_groups_alike_clients_and_the_deal_mixes_them() -> None:
     head_heavy = [0.7, 0.2, 0.05, 0.05, 0.0, 0.0]
     tail_heavy = [0.0, 0.0, 0.05, 0.05, 0.2, 0.7]
     kinds = ["h", "t", "h", "h", "t", "t", "h", "t"]
@@ -54,12 +55,13 @@ def test_complementarity_clustering_mixes_head_heavy_with_tail_heavy_clients() -
     c = complementarity(d, head_and_tail)
     assert c[0, 1] == pytest.approx(sum(d[0, j] * (1 - d[1, j]) for j in head_and_tail))
     assert c[0, 1] > c[0, 2]  # a head-heavy client complements a tail-heavy one more than another head-heavy one
-    labels = complementary_clusters(c, 4, "kmeans", seed=0)
+    labels = complementary_clusters(c, 4, "kmeans", seed=0)  # het_grouping: deal
     for g in range(4):
         members = [kinds[i] for i in range(len(kinds)) if labels[i] == g]
         assert sorted(members) == ["h", "t"]  # every cluster mixes the two profiles
-    plain = cluster_rows(c, 4, "kmeans", seed=0)  # K-means on the rows alone would keep profiles apart
+    plain = cluster_rows(c, 2, "kmeans", seed=0)  # het_grouping: paper, K-means on the rows of C as printed
     assert all(len({kinds[i] for i in range(len(kinds)) if plain[i] == g}) == 1 for g in set(plain.tolist()))
+    assert len(set(plain.tolist())) == 2  # ... which puts alike clients together
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -77,8 +79,13 @@ def test_l_ca_is_balanced_softmax_cross_entropy_on_a_hand_example() -> None:
         den = sum(prior[j] * math.exp(s[i, j]) for j in range(3))
         by_hand.append(-math.log(num / den))
     assert balanced_softmax_cross_entropy(s, y, prior).item() == pytest.approx(sum(by_hand) / 2, rel=1e-6)
-    z, t = torch.randn(2, 4), torch.randn(3, 4)
-    assert torch.allclose(true_row_logits(torch.tensor(2.0), z, t, y), 2.0 * z @ t.t())
+    # sample i's logits reach the text features only through its own class's row
+    z, t = torch.randn(2, 4), torch.randn(3, 4, requires_grad=True)
+    logits = true_row_logits(torch.tensor(2.0), z, t, y)
+    for i, yi in enumerate(y.tolist()):
+        (grad,) = torch.autograd.grad(logits[i].sum(), t, retain_graph=True)
+        assert grad.abs().sum(1).nonzero().flatten().tolist() == [yi]
+        assert torch.allclose(grad[yi], 2.0 * z[i])
 
 
 @pytest.fixture(scope="module")
@@ -112,20 +119,38 @@ def test_only_the_true_class_rows_of_p_c_change_after_a_step(runtime, ca_text) -
 
 
 class RecordingGrid:
-    """An in-process grid that keeps every message it delivers."""
+    """An in-process grid that keeps every message it delivers and every reply; `losses` (round → value) replaces
+    the loss that training replies report (to script the bandit's rewards)."""
 
     @staticmethod
-    def make(runtime, client):
+    def make(runtime, client, losses: dict[int, float] | None = None):
         from promptfcl.federation.inprocess import InProcessGrid
 
         class _Grid(InProcessGrid):
             def _deliver(self, messages):
                 self.sent.append({c: m.copy() for c, m in messages.items()})
-                return super()._deliver(messages)
+                replies = super()._deliver(messages)
+                for r in replies.values():
+                    if losses is not None and r.kind == "train_reply":
+                        r.scalars["loss"] = losses[self.round.round]
+                self.replies.append({c: r.copy() for c, r in replies.items()})
+                return replies
 
         grid = _Grid(client, runtime.scenario, runtime.dataset.train, runtime.cfg.seed, runtime.device)
-        grid.sent = []
+        grid.sent, grid.replies = [], []
         return grid
+
+
+def one_round(server, grid, rnd: int, participants: tuple[int, ...]) -> dict[str, float]:
+    from promptfcl.federation.protocol import RoundInfo
+
+    info = RoundInfo(0, rnd, participants)
+    grid.start_round(info)
+    return server.run_round(grid, info)
+
+
+def train_replies(grid) -> dict:
+    return next(b for b in reversed(grid.replies) if b and all(r.kind == "train_reply" for r in b.values()))
 
 
 def test_cluster_members_receive_identical_p_c_and_clusters_different_ones(runtime) -> None:
@@ -152,6 +177,58 @@ def test_cluster_members_receive_identical_p_c_and_clusters_different_ones(runti
     # each client now holds its cluster's P_c in its state, and trains from it next time
     assert all(torch.equal(grid.states[c].tensors["model/class_ctx"], pc[c]) for c in participants)
     assert "model/coupling.0.weight" not in updates[0].tensors  # F stays local between global syncs
+
+
+def test_each_heterogeneity_cluster_receives_the_sample_weighted_mean_of_its_members_p_g(runtime) -> None:
+    """Heterogeneity clustering as printed (default `het_grouping: paper`): K-means on the rows of the
+    complementarity matrix over head ∪ tail classes; the members of a cluster receive the sample-weighted mean of
+    their uploaded P_g (context and deep context), different clusters different ones; F stays local."""
+    from promptfcl.federation.clustering import normalise
+    from promptfcl.seeding import derive_seed
+
+    params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 100, "het_clusters": 2})
+    assert runtime.params.het_grouping == "paper" and runtime.params.het_clusters == 3  # the paper's defaults
+    server, client = runtime.spec.programs(runtime.env, params)
+    grid = RecordingGrid.make(runtime, client)
+    participants = (0, 1, 2, 3, 4, 5)
+    metrics = one_round(server, grid, 0, participants)
+    replies, updates = train_replies(grid), grid.sent[-1]
+    d = normalise(np.stack([server.counts[c] for c in participants]))
+    comp = complementarity(d, server.head_and_tail())
+    labels = cluster_rows(comp, 2, "kmeans", derive_seed(0, "capt", 0, 0) + 1)
+    assert metrics["het_clusters"] == 2 and len(set(labels.tolist())) == 2
+    for g in set(labels.tolist()):
+        members = [c for c, lab in zip(participants, labels, strict=True) if lab == g]
+        n = torch.tensor([float(replies[c].scalars["num_samples"]) for c in members])
+        for name in ("ctx", "deep_ctx"):
+            expected = sum(w * replies[c].tensors[name].double() for w, c in zip(n / n.sum(), members, strict=True))
+            for c in members:
+                assert torch.allclose(updates[c].tensors["model/" + name].double(), expected, atol=1e-6)
+    a, b = (next(c for c, lab in zip(participants, labels, strict=True) if lab == g) for g in (0, 1))
+    assert not torch.equal(updates[a].tensors["model/ctx"], updates[b].tensors["model/ctx"])
+    assert all(not k.startswith("model/coupling") for m in updates.values() for k in m.tensors)
+
+
+@pytest.mark.parametrize(
+    ("losses", "period"),
+    [
+        ([1.0, 0.99, 0.9, 0.3, 0.3, 0.3], 2),  # syncing every 2 rounds bought the larger loss drop per byte
+        ([1.0, 0.5, 0.5, 0.49, 0.49, 0.49], 1),  # syncing every round did
+    ],
+)
+def test_the_bandit_reward_sets_the_sync_period(runtime, losses, period) -> None:
+    """Arms are sync periods {1, 2}; with c = 0 the bandit keeps the arm whose reward (relative loss decrease per
+    unit of communication since the previous sync) was larger, and the next rounds sync with that period."""
+    params = runtime.params.model_copy(update={"scheduler": "bandit", "arms": [1, 2], "bandit_c": 0.0})
+    server, client = runtime.spec.programs(runtime.env, params)
+    grid = RecordingGrid.make(runtime, client, dict(enumerate(losses)))
+    log = [one_round(server, grid, r, (0, 2, 4)) for r in range(4)]
+    assert [m["sync"] for m in log] == [1.0, 1.0, 0.0, 1.0]  # period 1 (tried first), then 2 (untried)
+    assert "bandit_reward" in log[1] and "bandit_reward" in log[3] and server.bandit.pulls == [1, 1]
+    assert log[3]["bandit_period"] == period
+    log += [one_round(server, grid, r, (0, 2, 4)) for r in range(4, 6)]
+    assert [m["sync"] for m in log[4:]] == ([1.0, 1.0] if period == 1 else [0.0, 1.0])
+    assert set(grid.sent[-1]) == set(range(6))  # a sync round ends with the global prompts sent to every client
 
 
 def test_global_sync_sends_the_same_prompts_to_every_client(runtime) -> None:
@@ -225,20 +302,51 @@ def test_capt_runs_end_to_end_and_its_state_round_trips(tmp_path) -> None:
     assert resumed.run(resume=True)["summary"] == metrics["summary"]  # nothing left to run: same result
 
 
+BASELINE_PARTS = {  # what each CLIP baseline learns (and so uploads and averages)
+    "promptfl": {"ctx"},
+    "maple_fedavg": {"ctx", "deep_ctx", "coupling.0.weight", "coupling.0.bias", "coupling.1.weight", "coupling.1.bias"},
+    "cocoop_fedavg": {"ctx", "meta_net.0.weight", "meta_net.0.bias", "meta_net.2.weight", "meta_net.2.bias"},
+    "fedclip": {"adapter.0.weight", "adapter.0.bias", "adapter.2.weight", "adapter.2.bias"},
+    "clip_zeroshot": set(),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["promptfl", "maple_fedavg", "cocoop_fedavg", "fedclip", "clip_zeroshot"])
-def test_clip_baselines_run_end_to_end(tmp_path, method) -> None:
-    from promptfcl.experiment import Experiment
+@pytest.mark.parametrize("method", sorted(BASELINE_PARTS))
+def test_clip_baselines_train_their_own_part_and_average_it_by_samples(method) -> None:
+    """Each baseline learns exactly its paper's part (PromptFL: one context for all classes; MaPLe: deep text
+    prompts + coupling; CoCoOp: context + meta-net; FedCLIP: the adapter), every part moves in local training,
+    and the server's model is the sample-weighted mean of the uploads; zero-shot contacts no client and scores
+    CLIP's cosine with "a photo of a {class}."."""
+    import torch.nn.functional as F
+
+    from promptfcl.runtime import Runtime
 
     extra = {"depth": 2 if method == "maple_fedavg" else 1}
-    cfg = build_config(
-        tiny_lt_raw(method={"name": method, "lr": 0.05, "batch_size": 16, **extra}, scenario={"rounds_per_task": 1})
-    )
-    exp = Experiment(cfg, tmp_path / method, show_progress=False)
-    metrics = exp.run()
-    assert 0.0 <= metrics["summary"]["class_groups"]["tail"] <= 100.0
-    learnable = sum(p.numel() for p in exp.server.global_model().parameters())
-    assert (learnable == 0) == (method == "clip_zeroshot")
+    raw = tiny_lt_raw(method={"name": method, "lr": 0.05, "batch_size": 16, **extra})
+    rt = Runtime.build(build_config(raw))
+    server, client = rt.programs()
+    grid = RecordingGrid.make(rt, client)
+    before = server.global_model().get_state()
+    assert set(before) == BASELINE_PARTS[method]
+    one_round(server, grid, 0, (0, 2, 4))
+    after = server.global_model().get_state()
+    if method == "clip_zeroshot":
+        assert not grid.sent
+        model, clip = server.global_model(), rt.env.backbone
+        x = torch.rand(3, 3, 32, 32)
+        tokens = clip.tokenize([f"a photo of a {n.replace('_', ' ')}." for n in rt.env.extras["class_names"]])
+        text = F.normalize(clip.encode_text(clip.token_embeddings(tokens), tokens), dim=-1)
+        image = F.normalize(clip.encode_image(x), dim=-1)
+        assert torch.allclose(model(x), clip.logit_scale * image @ text.t(), atol=1e-4)
+        return
+    replies = train_replies(grid)
+    n = torch.tensor([float(r.scalars["num_samples"]) for r in replies.values()])
+    assert len(set(n.tolist())) > 1  # unequal clients: a uniform mean would differ
+    for k in before:
+        assert not torch.equal(after[k], before[k]), k  # the part learns
+        mean = sum(w * r.tensors[k].double() for w, r in zip(n / n.sum(), replies.values(), strict=True))
+        assert torch.allclose(after[k].double(), mean, atol=1e-6), k
 
 
 @pytest.mark.slow

@@ -111,11 +111,12 @@ def test_context_vectors_sit_before_the_class_name_and_zero_shot_uses_the_templa
 def test_cocoop_context_is_conditioned_on_the_image(clip) -> None:
     from promptfcl.clip_model import ClipClassifier, ClipPromptParams
 
+    torch.manual_seed(0)  # the tiny test CLIP's meta-net has 2 hidden ReLUs: a fixed draw keeps them alive
     m = ClipClassifier(clip, ["cat", "dog", "bird"], ClipPromptParams(n_ctx=2, conditional=True))
     x = torch.rand(2, 3, 32, 32)
     z = m.image_features(x)
     t = m.conditional_text_features(z)
-    assert t.shape == (2, 3, clip.embed_dim) and (t[0] - t[1]).abs().max() > 1e-6
+    assert t.shape == (2, 3, clip.embed_dim) and (t[0] - t[1]).abs().max() > 1e-4
     with torch.no_grad():
         m.meta_net[2].weight.zero_()
         m.meta_net[2].bias.zero_()

@@ -282,6 +282,7 @@ def test_missing_and_corrupt_dataset_files_are_clear_errors(tmp_path: Path, caps
     with pytest.raises(DataMissingError, match="missing: meta"):
         load_cifar100(folder, CifarOptions(verify_md5=False), False)
 
+    from promptfcl.data.cache import decode_in_memory
     from promptfcl.data.image_folder import ImageFolderOptions, load_image_folder
 
     imgs = tmp_path / "imgs"
@@ -290,10 +291,10 @@ def test_missing_and_corrupt_dataset_files_are_clear_errors(tmp_path: Path, caps
     (imgs / "test.txt").write_text("b.jpg 0\n")
     (imgs / "a.jpg").write_bytes(b"not a jpeg")
     with pytest.raises(DataMissingError, match="could not be decoded as an image"):
-        load_image_folder(imgs, ImageFolderOptions(decode_size=8), False)
+        decode_in_memory(load_image_folder(imgs, ImageFolderOptions(decode_size=8), False).train)
     (imgs / "a.jpg").unlink()
     with pytest.raises(DataMissingError, match="listed in the split file but does not exist"):
-        load_image_folder(imgs, ImageFolderOptions(decode_size=8), False)
+        decode_in_memory(load_image_folder(imgs, ImageFolderOptions(decode_size=8), False).train)
     (imgs / "train.txt").write_text("a.jpg zero\n")
     with pytest.raises(DataMissingError, match="expected '<relative path> <class id>'"):
         load_image_folder(imgs, ImageFolderOptions(decode_size=8), False)

@@ -229,27 +229,43 @@ def test_flower_grid_shares_the_validation_and_carries_injected_faults(monkeypat
     sent: dict[int, Message] = {}
 
     class FakeFlowerGrid:
-        def send_and_receive(self, msgs: list, timeout: float | None) -> list:
-            out = []
+        def __init__(self) -> None:
+            self.replies: list = []
+
+        def get_node_ids(self) -> list[int]:
+            return [10 + c for c in range(5)]
+
+        def push_messages(self, msgs: list) -> list[str]:
             for m in msgs:
                 cid = m.dst_node_id - 10
                 msg = sent[cid] = from_record_dict(m.content)
-                meta = SimpleNamespace(src_node_id=m.dst_node_id)
+                meta = SimpleNamespace(src_node_id=m.dst_node_id, reply_to_message_id=f"m{cid}")
                 w = torch.full((2,), float("nan") if cid == 3 else 1.0)
                 try:  # what the node's ClientApp does: run_client applies the fault the message carries
                     reply = run_with_fault(pop_fault(msg.copy()), lambda w=w: Message({"w": w}, {"n": 1}, kind="r"))
                     if cid == 1:
                         raise RuntimeError("node crashed")
                 except Exception as e:  # noqa: BLE001 - Flower turns a ClientApp exception into an error reply
-                    err = SimpleNamespace(reason=str(e))
-                    out.append(SimpleNamespace(metadata=meta, has_error=lambda: True, error=err))
+                    err = SimpleNamespace(code=2, reason=str(e))
+                    self.replies.append(SimpleNamespace(metadata=meta, has_error=lambda: True, error=err))
                     continue
                 if cid != 2:  # client 2 stays silent
                     content = to_record_dict(reply)
-                    out.append(SimpleNamespace(metadata=meta, has_error=lambda: False, content=content))
+                    self.replies.append(SimpleNamespace(metadata=meta, has_error=lambda: False, content=content))
+            return [f"m{m.dst_node_id - 10}" for m in msgs]
+
+        def pull_messages(self, ids: list[str]) -> list:
+            out, self.replies = self.replies, []
             return out
 
-    grid = fg.FlowerGrid(FakeFlowerGrid(), {c: 10 + c for c in range(5)}, timeout=5.0)  # type: ignore[arg-type]
+    clock = [0.0]
+    grid = fg.FlowerGrid(
+        FakeFlowerGrid(),  # type: ignore[arg-type]
+        {c: 10 + c for c in range(5)},
+        timeout=5.0,
+        clock=lambda: clock[0],
+        sleep=lambda s: clock.__setitem__(0, clock[0] + s),
+    )
     cfg = build_config(fault_raw("hgp", faults=[{"kind": "raise", "client": 4}]))
     grid.configure(GridPolicy(faults=FaultPlan(cfg.engine.faults)))
     grid.start_round(RoundInfo(0, 0, (0, 1, 2, 3, 4)))

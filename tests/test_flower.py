@@ -25,7 +25,7 @@ pytest.importorskip("flwr", reason="flwr not installed: pip install 'promptfcl[f
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
 from promptfcl.flower.loopback import LoopbackFederation  # noqa: E402
-from promptfcl.flower.simulation import _environ_of  # noqa: E402
+from promptfcl.flower.simulation import _environ_of, _status_of  # noqa: E402
 
 
 @pytest.mark.parametrize("secure", [True, False], ids=["tls_node_auth", "insecure"])
@@ -95,8 +95,10 @@ def test_flower_simulation_engine_equals_in_process_engine(tmp_path: Path) -> No
 
 
 def test_flower_node_killed_mid_run_is_dropped_and_recorded(tmp_path: Path) -> None:
-    """A SuperNode killed after the first round never answers the second: the round waits `timeout`, records
-    the failure with its reason, aggregates the reply that came, and the run finishes."""
+    """A SuperNode killed after the first round never answers the second: the round drops it as soon as the
+    SuperLink sees it offline (its heartbeats stopped), records why, aggregates the reply that came, and the run
+    finishes. The live node is not held to a short fixed timeout (the floor here is 300 s): on a busy machine it
+    is waited for."""
     from promptfcl.flower.project import write_app
 
     raw = tiny_raw(scenario={"num_tasks": 1, "num_clients": 2, "rounds_per_task": 2})
@@ -105,17 +107,76 @@ def test_flower_node_killed_mid_run_is_dropped_and_recorded(tmp_path: Path) -> N
     app = write_app(tmp_path / "app")
     with LoopbackFederation(tmp_path / "flwr_home", clients=2) as fed:
         assert fed.wait_online(2) == 2
-        proc = fed.start_run(app, f"config-file='{tmp_path / 'cfg.yaml'}' run-dir='{run_dir}' timeout=15.0")
-        deadline = time.monotonic() + 300
+        proc = fed.start_run(app, f"config-file='{tmp_path / 'cfg.yaml'}' run-dir='{run_dir}' timeout=300.0")
+        deadline = time.monotonic() + 600
         while not (run_dir / "rounds.jsonl").is_file() and time.monotonic() < deadline:
             time.sleep(0.5)
         fed.kill_node(1)
-        result = fed.result(proc)
+        result = fed.result(proc, timeout=900)
     rounds = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    assert not leftovers(fed.home)
     assert len(rounds) == 2 and rounds[0]["failures"] == [] and rounds[0]["clients"] == 2
-    for r in rounds[1:]:
-        assert r["failures"] == [
-            {"client": 1, "reason": "no reply within 15.0 s", "kind": "no_reply", "attempt": 0, "injected": False}
-        ]
-        assert r["clients"] == 1  # the round aggregated the reply that came
+    assert rounds[1]["failures"] == [
+        {"client": 1, "reason": "node offline (liveness)", "kind": "no_reply", "attempt": 0, "injected": False}
+    ]
+    assert rounds[1]["clients"] == 1  # the round aggregated the reply that came
     assert len(result["accuracy_matrix"]) == 1
+    assert all(p.poll() is not None for p in fed.procs)
+
+
+def test_flower_three_nodes_one_killed_mid_round(tmp_path: Path) -> None:
+    """3 SuperNodes; node 2 is killed while it is handling its round-1 message (held there by an injected
+    `slow` fault of 1200 s, so the message is certainly in flight). The round drops that message from Flower's
+    node liveness within about a minute of the kill — long before the 300 s live-node floor, let alone the
+    fault's 1200 s — aggregates the other two replies, and the run finishes; no process is left behind."""
+    from promptfcl.flower.project import write_app
+
+    raw = tiny_raw(
+        scenario={"num_tasks": 1, "num_clients": 3, "rounds_per_task": 2},
+        engine={"client_timeout": 1000.0, "faults": [{"kind": "slow", "client": 2, "rounds": [1], "delay": 1200.0}]},
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "run"
+    app = write_app(tmp_path / "app")
+    with LoopbackFederation(tmp_path / "flwr_home", clients=3) as fed:
+        assert fed.wait_online(3) == 3
+        proc = fed.start_run(app, f"config-file='{tmp_path / 'cfg.yaml'}' run-dir='{run_dir}' timeout=300.0")
+        deadline = time.monotonic() + 600
+        busy = False
+        while not busy and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            node2 = [w for w in fed.worker_status() if w.get("partition_id") == 2]
+            busy = bool(node2) and node2[0]["messages"] == 1 and node2[0]["busy"]  # inside its round-1 step
+        assert busy, "node 2 never started its round-1 message"
+        killed = time.monotonic()
+        fed.kill_node(2)
+        result = fed.result(proc, timeout=900)
+        after_kill = time.monotonic() - killed
+        workers = fed.worker_status()
+    rounds = [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 2 and rounds[0]["failures"] == [] and rounds[0]["clients"] == 3
+    # dropped because the node went offline (injected: the fault plan touched it), not at a time limit
+    assert rounds[1]["failures"] == [
+        {"client": 2, "reason": "node offline (liveness)", "kind": "no_reply", "attempt": 0, "injected": True}
+    ]
+    assert rounds[1]["clients"] == 2  # the other two replies were aggregated
+    assert after_kill < 300.0, after_kill  # promptly: well before the live-node floor
+    assert len(result["accuracy_matrix"]) == 1
+    assert all(p.poll() is not None for p in fed.procs)
+    assert len(workers) == 3 and not leftovers(fed.home)  # SuperLink, SuperNodes, executors, workers: all gone
+
+
+def leftovers(home: Path, wait: float = 15.0) -> list[str]:
+    """Live (not zombie) processes whose environment names this federation's FLWR_HOME, after `wait` s."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for line in subprocess.run(
+            ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True
+        ).stdout.splitlines()[1:]:
+            pid = line.split()[0]
+            if str(home) in _environ_of(pid) and "State:\tZ" not in _status_of(int(pid)):
+                found.append(line)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ from promptfcl.methods.fedproto import PrototypeClassifier
 from promptfcl.runtime import Runtime
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import torch_generator
-from promptfcl.statistics import ClassStatistics, pooled
+from promptfcl.statistics import ClassStatistics, GaussianComponents, pooled
 
 from .conftest import tiny_config
 
@@ -109,7 +110,7 @@ def test_server_receives_only_parameters_and_class_statistics(tmp_path) -> None:
         for cid, reply in replies.items():
             stats_names = {n for n in reply.tensors if n not in params}
             assert stats_names == {"stats/classes", "stats/counts", "stats/means", "stats/spread"}
-            assert set(reply.scalars) == {"num_samples", "loss"}
+            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "chance_loss"}
             s = ClassStatistics.from_tensors(reply.tensors)
             # exactly the client's classes with >= 2 samples, their true counts, one d-vector each
             idx = exp.scenario.client_indices(task, cid)
@@ -170,7 +171,10 @@ def test_fedproto_prototypes_regularise_and_classify(tmp_path) -> None:
     expect = pooled([ClassStatistics.from_tensors(x.tensors) for x in log[0][3].values()])
     assert sent["protos/classes"].tolist() == expect.classes.tolist()
     assert torch.allclose(sent["protos/means"], expect.means)
-    # the regulariser is active: the loss with prototypes differs from plain CE on the same batch
+    # the round metric says when the regulariser was on: never in a task's first round, in its second
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["proto_reg_classes"] for r in rounds] == [0, 3, 0, 3]  # 3 classes per task
+    # the client loss is CE + λ·mean‖f(x) − C̄_y‖² (Eq. 7–8), λ = 1, each sample pulled to its class prototype
     client = exp.client
     ctx_msg = Message(dict(sent), {"task": 0, "round": 1}, kind="train")
     model = client.model
@@ -183,13 +187,34 @@ def test_fedproto_prototypes_regularise_and_classify(tmp_path) -> None:
     with torch.no_grad():
         with_proto = client.loss_fn(ctx_msg, ctx)(model, x, y, mask)  # type: ignore[arg-type]
         plain = client.loss_fn(Message({}, {}, kind="train"), ctx)(model, x, y, mask)  # type: ignore[arg-type]
-    assert float(with_proto) > float(plain)
-    # inference is by nearest global prototype over the classes that have one
-    proto_model = exp.server.global_model()
-    assert isinstance(proto_model, PrototypeClassifier)
-    f = model.features(x)
-    expected = torch.cdist(f, exp.server.protos).argmin(1)
-    assert torch.equal(proto_model(x).argmax(1), expected)
+        f = model.features(x)
+    proto_of = dict(zip(sent["protos/classes"].tolist(), sent["protos/means"], strict=True))
+    reg = sum(float(((f[i] - proto_of[int(y[i])]) ** 2).sum()) for i in range(len(y))) / f.numel()
+    assert reg > 1e-3  # the features are not already at their prototypes: the term has something to pull
+    assert float(with_proto) == pytest.approx(float(plain) + reg, rel=1e-4)
+
+
+def test_fedproto_predicts_the_nearest_known_prototype_not_the_head() -> None:
+    """§4.3: the label of the closest global prototype, among classes that have one; the head plays no part."""
+
+    class Identity(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(2, 4)
+            with torch.no_grad():  # a head that always says class 3
+                self.head.weight.zero_()
+                self.head.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 9.0]))
+
+        def features(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    protos = torch.tensor([[4.0, 0.0], [0.0, 4.0], [0.0, 0.0], [-4.0, 0.0]])
+    known = torch.tensor([True, True, False, True])  # class 2 has no prototype (yet)
+    x = torch.tensor([[3.0, 0.5], [0.4, 3.0], [0.2, 0.1], [-3.5, -1.0], [0.5, 0.3]])
+    # by hand: nearest known prototype of each point (the 3rd and 5th are closest to class 2's unknown one)
+    expected = [0, 1, 0, 3, 0]
+    pred = PrototypeClassifier(Identity(), protos, known)(x).argmax(1)
+    assert pred.tolist() == expected
 
 
 @pytest.mark.parametrize("ablation", ["current", "old"])
@@ -206,3 +231,26 @@ def test_cr_ablations_retrain_only_their_part_of_the_head(tmp_path, ablation: st
     trained, kept = (current, old) if ablation == "current" else (old, current)
     assert torch.equal(head.weight[kept], before[kept])
     assert not torch.equal(head.weight[trained], before[trained])
+
+
+@pytest.mark.parametrize(
+    ("covariance", "scale_full", "inflation"), [("diag", False, 3.0), ("full", False, 1.0), ("full", True, 3.0)]
+)
+def test_hgp_inflates_diagonal_variances_and_full_covariances_only_when_asked(
+    covariance: str, scale_full: bool, inflation: float
+) -> None:
+    """fed-mammoth samples N(μ, 3·diag σ²) but N(μ, Σ) for full covariances; `scale_full_covariance` is the paper's
+    reading (×3 for any covariance). The server's sampler must draw features with exactly that spread."""
+    cfg = tiny_config(method=method("hgp", covariance=covariance, scale_full_covariance=scale_full))
+    server = Runtime.build(cfg).programs()[0]
+    d = server.env.backbone.embed_dim
+    a = torch.randn(d, d, generator=torch.Generator().manual_seed(0)) / d**0.5
+    cov = a @ a.T + 0.1 * torch.eye(d)
+    spread = cov if covariance == "full" else cov.diagonal()
+    stats = ClassStatistics(torch.tensor([1]), torch.tensor([50]), torch.zeros(1, d), spread[None])
+    server.components = GaussianComponents.empty(d, covariance == "full").replace_task(0, [stats])
+    feats, _ = server.sampler(torch.tensor([1])).sample(100_000, torch.Generator().manual_seed(1))
+    got = torch.cov(feats.double().T)
+    expect = inflation * (cov if covariance == "full" else torch.diag(cov.diagonal())).double()
+    err = float((got - expect).abs().max())
+    assert torch.allclose(got, expect, atol=0.05 * inflation), f"sampled covariance is {err:.2f} off {inflation}×Σ"

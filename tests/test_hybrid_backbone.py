@@ -88,3 +88,21 @@ def test_first_per_class_takes_the_first_images_in_split_order() -> None:
     t = torch.tensor([1, 0, 1, 1, 0, 2])
     assert first_per_class(t, 2).tolist() == [0, 1, 2, 4, 5]
     assert first_per_class(t, None, [1]).tolist() == [0, 2, 3]
+
+
+def test_full_fine_tuning_on_the_hybrid_keeps_the_stem_frozen_cached_and_unexchanged(hybrid) -> None:
+    from promptfcl.methods.fedavg_ft import FineTunedClassifier
+
+    model = FineTunedClassifier(hybrid, 5)
+    state = model.state_dict()
+    assert not any("patch_embed.backbone" in k for k in state) and "vit.blocks.0.attn.qkv.weight" in state
+    x = torch.randn(4, 3, 64, 64)
+    assert torch.allclose(model.features(x), hybrid(x), atol=1e-5)  # same weights: the frozen backbone's feature
+    stem_before = {k: v.clone() for k, v in hybrid.vit.patch_embed.state_dict().items()}
+    model.train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])).backward()
+    opt.step()
+    assert not torch.allclose(model.features(x), hybrid(x), atol=1e-4)  # the transformer copy trained
+    for k, v in hybrid.vit.patch_embed.state_dict().items():  # the shared stem (BatchNorm buffers too) did not
+        assert torch.equal(v, stem_before[k]), k

@@ -161,7 +161,8 @@ def test_fedmgp_presets_and_study_cells_describe_possible_personalized_scenarios
     for path in ("benchmarks/fedmgp_cifar100_cpu.yaml", "configs/papers/fedmgp/table1_cifar100.yaml"):
         study, study_dir = load_study(root / path)
         configs += [cell_config(study, study_dir, cell, 0) for cell in study.cells]
-    assert len(configs) == 2 + 3 + 13 + 12  # presets, CPU study (12 cells + a diagnosis), paper study
+    assert len(configs) == 2 + 3 + 15 + 12  # presets, CPU study (12 cells + 2 local-only controls + a diagnosis)
+    # and the paper study
     for cfg in configs:
         assert cfg.scenario.kind == "personalized" and cfg.eval.regime == "client_local"
         assert personalized_class_count(cfg.scenario, 100) == 100

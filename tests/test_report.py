@@ -53,9 +53,11 @@ def test_compare_writes_table_plots_html_and_provenance(tmp_path) -> None:
     for col in ("FAA (%)", "forgetting (%)", "BWT (%)", "tail_accuracy", "kr.local", "MB / round", "wall time (s)"):
         assert col in header
     faa = [x["summary"]["faa"] for x in metrics[:2]]
-    row = next(line for line in md.splitlines() if line.startswith("| tiny_fedavg_prompt |"))
-    assert f"| 2 | {statistics.fmean(faa):.2f} ± {statistics.stdev(faa):.2f} |" in row  # seeds averaged
-    assert "| tiny_fedvit | fedvit | 1 |" in md and "| 12.50 |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| tiny_fedavg_prompt ⚠ INVALID |"))
+    assert f" | {statistics.fmean(faa):.2f} ± {statistics.stdev(faa):.2f} |" in row  # seeds averaged
+    assert "| 0/2 (backbone_pretrained" in row  # random-init: flagged by the validity gate
+    assert "| tiny_fedvit ⚠ INVALID | fedvit | 1 |" in md and "| 12.50 |" in md
+    assert "### Validity" in md and "backbone_pretrained" in md
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert {"figures/accuracy_curves.png", "figures/accuracy_matrices.png", "figures/accuracy_vs_communication.png",
             "figures/scenario_0.png"} <= set(images)  # fmt: skip

@@ -144,6 +144,15 @@ PERSONALIZED = {
 }  # fmt: skip
 
 
+# Powder needs per-(client, task) slots: the asynchronous scenario (two stages, so the signatures and the generated
+# prompts of a second stage travel too)
+SMALL["powder"] = {"components_per_task": 2, "length": 2, "layers": [3, 4]}
+ASYNCHRONOUS = {
+    "kind": "asynchronous", "num_tasks": 2, "num_clients": 2, "classes_per_task": 2, "rounds_per_task": 1,
+    "asynchronous": {"data_slices": 2},
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("method", sorted(name for name, _ in METHODS.items()))
 def test_every_method_exchanges_only_tensors_and_json_scalars(method: str, tmp_path: Path, monkeypatch) -> None:
     raw = tiny_raw(
@@ -154,9 +163,10 @@ def test_every_method_exchanges_only_tensors_and_json_scalars(method: str, tmp_p
     raw["method"] = {"name": method, "local_epochs": 1, "batch_size": 8, **SMALL.get(method, {})}
     if method == "fedmgp":
         raw["scenario"] = dict(PERSONALIZED)
+    if method == "powder":
+        raw["scenario"] = dict(ASYNCHRONOUS)
     if method in CLIP_METHODS or METHODS.get(method).params.model_fields.get("n_ctx") is not None:
         pytest.importorskip("open_clip")
-        pytest.importorskip("sklearn")
         from .clip_fixtures import tiny_lt_raw
 
         method_section = raw["method"]

@@ -36,7 +36,8 @@ def test_study_runs_every_cell_and_seed_once(tmp_path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     rows = {r["cell"]: r for r in summary["rows"]}
     assert rows["hgp"]["method"] == "hgp" and rows["fedavg_prompt"]["seeds"] == 2
-    assert "| hgp | hgp | 2 |" in (out / "summary.md").read_text()
+    assert "| hgp ⚠ INVALID | hgp | 2 | 0/2 (backbone_pretrained" in (out / "summary.md").read_text()  # tiny random ViT
+    assert "backbone_pretrained" in rows["hgp"]["invalid"]["0"] and set(rows["hgp"]["per_seed"]) == {"0", "1"}
     cfg = yaml.safe_load((out / "configs" / "hgp_seed1.yaml").read_text())
     assert cfg["seed"] == 1 and cfg["method"]["name"] == "hgp" and cfg["method"]["length"] == 4
     study, study_dir = load_study(path)

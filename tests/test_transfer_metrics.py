@@ -99,6 +99,45 @@ def test_async_scenario_slots_overlap_slices_and_roundtrip(tmp_path) -> None:
         build_scenario(ScenarioConfig(kind="asynchronous", num_tasks=2, classes_per_task=[2, 2]), y, y, 100, 0)
 
 
+def trained_images(s: Scenario, y: np.ndarray) -> dict[tuple[int, int], frozenset[int]]:
+    """(label-space task, real class) → the training image indices it is trained on (scheduled tasks only)."""
+    out: dict[tuple[int, int], frozenset[int]] = {}
+    for stage, row in enumerate(s.schedule or []):
+        for k, g in enumerate(row):
+            idx = s.client_train[stage][k]
+            for c in s.task_classes[g]:
+                out[g, c] = frozenset(idx[y[idx] == c].tolist())
+    return out
+
+
+@pytest.mark.parametrize("rule", ["powder", "distinct"])
+def test_slice_rule_powder_repeats_images_at_the_same_position_distinct_never(rule: str) -> None:
+    """Powder's rule: slice (k·T + j) mod 5 = j when T = 5, so a class repeated at the same position j of two
+    clients' sequences is trained on the same images (repeats at other positions on disjoint ones). `distinct`:
+    every repeat of a class gets a slice no earlier occurrence had, so repeats never share an image."""
+    s = async_scenario(tasks=5, asynchronous={"min_overlap": 5, "slice_rule": rule})
+    y = np.repeat(np.arange(100), 50)
+    images = trained_images(s, y)
+    occurrences: dict[int, int] = {}
+    for t in s.task_classes:
+        for c in t:
+            occurrences[c] = occurrences.get(c, 0) + 1
+    same_position, other_position = [], []
+    for (g1, c1), a in images.items():
+        for (g2, c2), b in images.items():
+            if c1 != c2 or g1 >= g2 or occurrences[c1] > 5:
+                continue
+            assert len(a) == len(b) == 10  # a 1/5 slice of 50 images
+            (same_position if s.owners[g1][1] == s.owners[g2][1] else other_position).append(a == b)
+            assert a == b or not (a & b)  # slices of one permutation: equal or disjoint
+    assert same_position and other_position  # the scenario has both kinds of repeats
+    assert not any(other_position)
+    if rule == "powder":
+        assert all(same_position)
+    else:
+        assert not any(same_position)
+
+
 def torch_tensor(x):  # noqa: ANN001, ANN201
     import torch
 

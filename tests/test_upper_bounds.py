@@ -117,10 +117,10 @@ def test_upper_bound_runs_and_a_study_cell_are_labelled_in_metrics_report_and_su
 
     summarize_study(load_study(tmp_path / "study.yaml")[0], out)
     table = (out / "summary.md").read_text()
-    assert "| centralized [upper bound: centralized] | fedavg_prompt | 1 |" in table
-    assert (
-        "| joint [upper bound: joint] | fedavg_prompt | 1 |" in table and "| fedavg_prompt | fedavg_prompt |" in table
-    )
+    # the random test backbone fails the validity gate, so every label also carries the invalid flag
+    assert "| centralized [upper bound: centralized] ⚠ INVALID | fedavg_prompt | 1 |" in table
+    assert "| joint [upper bound: joint] ⚠ INVALID | fedavg_prompt | 1 |" in table
+    assert "| fedavg_prompt ⚠ INVALID | fedavg_prompt |" in table
     rows = {r["cell"]: r for r in csv.DictReader((out / "summary.csv").open())}
     assert rows["joint"]["upper_bound"] == "joint" and rows["fedavg_prompt"]["upper_bound"] == ""
     from promptfcl.report.collect import groups_from_study

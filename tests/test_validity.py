@@ -88,3 +88,10 @@ def test_gate_is_valid_only_when_every_applicable_check_passes() -> None:
     assert not gate(cfg, rounds, learned, {**effect, "changed": 1.0})["valid"]
     assert failed_checks(gate({"backbone": {}}, rounds, learned, effect)) == ["backbone_pretrained"]
     assert failed_checks(None) == ["no validity record"]
+
+
+def test_generator_fidelity_is_read_as_the_fraction_hepco_logs() -> None:
+    from promptfcl.evaluation.validity import check_generator_fidelity
+
+    assert not check_generator_fidelity([{"generator_fidelity": 0.15}, {"generator_fidelity": 0.5}]).passed
+    assert check_generator_fidelity([{"generator_fidelity": 0.9}, {"generator_fidelity": 0.7}]).passed

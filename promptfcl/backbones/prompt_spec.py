@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 TokenPosition = Literal["prepend", "append"]
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # timm Block: attn.qkv, attn.proj, mlp.fc1, mlp.fc2
+
+
+class LoRADelta(NamedTuple):
+    """A weight delta ΔW = scale · B·A on one linear projection (W: (out, in)), applied beside the frozen W.
+
+    `a` (r, in) and `b` (out, r) are the low-rank factors; with `a=None`, `b` is the dense delta (out, in) itself
+    (a closed-form merge that is not low rank). The projection computes W·x + bias + scale·B·(A·x).
+    """
+
+    a: torch.Tensor | None
+    b: torch.Tensor
+    scale: float = 1.0
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """scale · x·(B·A)ᵀ without forming B·A (x: (..., in) → (..., out))."""
+        h = x if self.a is None else F.linear(x, self.a.to(x.dtype))
+        y = F.linear(h, self.b.to(x.dtype))
+        return y if self.scale == 1.0 else y * self.scale
+
+    def dense(self) -> torch.Tensor:
+        """ΔW as an (out, in) matrix (what merging into the frozen weight adds)."""
+        w = self.b if self.a is None else self.b @ self.a
+        return w * self.scale
+
+    def plus(self, other: LoRADelta) -> LoRADelta:
+        """ΔW₁ + ΔW₂: two low-rank deltas stack their ranks (B = [s₁B₁ s₂B₂], A = [A₁; A₂]); else dense."""
+        if self.a is not None and other.a is not None:
+            a = torch.cat([self.a, other.a], dim=0)
+            return LoRADelta(a, torch.cat([self.b * self.scale, other.b * other.scale], dim=1))
+        return LoRADelta(None, self.dense() + other.dense())
 
 
 @dataclass
@@ -19,12 +51,16 @@ class PromptSpec:
     - `tokens`: (B or 1, n, d) input prompt tokens inserted after the embedding: `prepend` puts them right after
       CLS (before the patches), `append` after the patches. `token_pos_embed` ((n, d) or (B, n, d)), if given, is
       added to them; otherwise they carry no positional embedding (L2P / C2Prompt convention).
+    - `lora[layer][target] = LoRADelta(A, B, scale)`: low-rank weight deltas on that block's projections, targets
+      `qkv`, `proj` (attention), `fc1`, `fc2` (MLP); shared by the batch. Applied in the same forward as the
+      prompts; a block with neither prompts nor deltas runs timm's own module.
     """
 
     prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     tokens: torch.Tensor | None = None
     token_position: TokenPosition = "prepend"
     token_pos_embed: torch.Tensor | None = None
+    lora: dict[int, dict[str, LoRADelta]] = field(default_factory=dict)
 
     @staticmethod
     def split_half(prompts: dict[int, torch.Tensor]) -> PromptSpec:
@@ -45,13 +81,20 @@ class PromptSpec:
             return t[rows] if t is not None and t.shape[0] == batch_size and t.dim() == 3 else t
 
         prefix = {layer: (pick(k), pick(v)) for layer, (k, v) in self.prefix.items()}
-        return PromptSpec(prefix, pick(self.tokens), self.token_position, pick(self.token_pos_embed))  # type: ignore[arg-type]
+        return PromptSpec(
+            prefix,  # type: ignore[arg-type]
+            pick(self.tokens),
+            self.token_position,
+            pick(self.token_pos_embed),
+            self.lora,
+        )
 
     def is_empty(self) -> bool:
-        return not self.prefix and self.tokens is None
+        return not self.prefix and self.tokens is None and not any(self.lora.values())
 
     def merge(self, other: PromptSpec) -> PromptSpec:
-        """Both specs at once: prefixes of a shared layer and tokens are concatenated (self first)."""
+        """Both specs at once: prefixes of a shared layer are concatenated (self first), deltas on the same
+        projection are added (`LoRADelta.plus`), input tokens may come from one spec only."""
         prefix = dict(self.prefix)
         for layer, (k, v) in other.prefix.items():
             if layer in prefix:
@@ -63,4 +106,9 @@ class PromptSpec:
         if self.tokens is not None and other.tokens is not None:
             raise ValueError("merging two specs that both carry input tokens is ambiguous")
         src = self if self.tokens is not None else other
-        return PromptSpec(prefix, src.tokens, src.token_position, src.token_pos_embed)
+        lora = {layer: dict(deltas) for layer, deltas in self.lora.items()}
+        for layer, deltas in other.lora.items():
+            mine = lora.setdefault(layer, {})
+            for target, d in deltas.items():
+                mine[target] = mine[target].plus(d) if target in mine else d
+        return PromptSpec(prefix, src.tokens, src.token_position, src.token_pos_embed, lora)

@@ -1,8 +1,10 @@
 """A frozen timm Vision Transformer that accepts a `PromptSpec` — the project's one prompt-injection path.
 
 Prefix prompts are concatenated to each block's keys and values *after* the qkv projection (the CODA-P /
-DualPrompt / HGP convention) and attention is computed with `F.scaled_dot_product_attention`. Without
-prompts every block is timm's own module call, so the output equals timm's `forward_features` exactly.
+DualPrompt / HGP convention) and attention is computed with `F.scaled_dot_product_attention`. Low-rank weight
+deltas (`PromptSpec.lora`, LoRA) are added beside the frozen qkv / proj / fc1 / fc2 projections of their
+blocks, unmerged (W·x + s·B·(A·x)), in the same forward as the prompts. A block with neither is timm's own
+module call, so without prompts and deltas the output equals timm's `forward_features` exactly.
 One instance is shared by every simulated client; it is always in eval mode and has no trainable parameter.
 """
 
@@ -19,7 +21,7 @@ from torch import nn
 
 from promptfcl.backbones.hybrid import has_stem
 from promptfcl.backbones.precision import Precision, autocast
-from promptfcl.backbones.prompt_spec import PromptSpec
+from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta, PromptSpec
 from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.config import BackboneConfig
 
@@ -32,29 +34,78 @@ def _expand(t: torch.Tensor, b: int) -> torch.Tensor:
     return t if t.shape[0] == b else t.expand(b, *t.shape[1:])
 
 
-def prefixed_attention(attn: nn.Module, x: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-    """timm `Attention.forward` with prefix keys/values (B|1, L, d) prepended to K and V."""
+def _linear(layer: nn.Module, x: torch.Tensor, delta: LoRADelta | None) -> torch.Tensor:
+    """A frozen timm Linear, plus its low-rank delta when one is given (unmerged: W·x + b + s·B·(A·x))."""
+    y = layer(x)
+    return y if delta is None else y + delta.apply(x)
+
+
+def adapted_attention(
+    attn: nn.Module,
+    x: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora: dict[str, LoRADelta] | None = None,
+) -> torch.Tensor:
+    """timm `Attention.forward` with prefix keys/values (B|1, L, d) prepended to K and V and/or low-rank deltas
+    on its `qkv` and `proj` projections."""
+    lora = lora or {}
     b, n, c = x.shape
     h, hd = attn.num_heads, attn.head_dim
     gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    q, k, v = attn.qkv(x).reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    qkv = _linear(attn.qkv, x, lora.get("qkv"))
+    q, k, v = qkv.reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    pk = _expand(pk, b).reshape(b, -1, h, hd).transpose(1, 2).to(k.dtype)
-    pv = _expand(pv, b).reshape(b, -1, h, hd).transpose(1, 2).to(v.dtype)
-    k = torch.cat([pk, k], dim=2)
-    v = torch.cat([pv, v], dim=2)
+    if prefix is not None:
+        pk = _expand(prefix[0], b).reshape(b, -1, h, hd).transpose(1, 2).to(k.dtype)
+        pv = _expand(prefix[1], b).reshape(b, -1, h, hd).transpose(1, 2).to(v.dtype)
+        k = torch.cat([pk, k], dim=2)
+        v = torch.cat([pv, v], dim=2)
     out = F.scaled_dot_product_attention(q, k, v)
     out = out.transpose(1, 2).reshape(b, n, -1)
     out = attn.norm(out)
     if gate is not None:
         out = out * gate
-    return attn.proj_drop(attn.proj(out))
+    return attn.proj_drop(_linear(attn.proj, out, lora.get("proj")))
 
 
-def prefixed_block(blk: nn.Module, x: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-    """timm `Block.forward` with a prefix in its attention."""
-    x = x + blk.drop_path1(blk.ls1(prefixed_attention(blk.attn, blk.norm1(x), pk, pv)))
-    return x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+def adapted_mlp(mlp: nn.Module, x: torch.Tensor, lora: dict[str, LoRADelta]) -> torch.Tensor:
+    """timm `Mlp.forward` with low-rank deltas on `fc1` / `fc2`."""
+    x = mlp.drop1(mlp.act(_linear(mlp.fc1, x, lora.get("fc1"))))
+    return mlp.drop2(_linear(mlp.fc2, mlp.norm(x), lora.get("fc2")))
+
+
+def adapted_block(
+    blk: nn.Module,
+    x: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora: dict[str, LoRADelta] | None = None,
+) -> torch.Tensor:
+    """timm `Block.forward` with a prefix in its attention and/or low-rank deltas on its projections."""
+    lora = lora or {}
+    x = x + blk.drop_path1(blk.ls1(adapted_attention(blk.attn, blk.norm1(x), prefix, lora)))
+    y = blk.norm2(x)
+    y = adapted_mlp(blk.mlp, y, lora) if "fc1" in lora or "fc2" in lora else blk.mlp(y)
+    return x + blk.drop_path2(blk.ls2(y))
+
+
+def check_lora(vit: nn.Module, lora: dict[int, dict[str, LoRADelta]]) -> None:
+    """Refuse deltas on missing layers or projections, or whose shapes do not fit the frozen weight."""
+    for layer, deltas in lora.items():
+        if not 0 <= layer < len(vit.blocks):
+            raise ValueError(f"LoRA layer {layer} outside 0..{len(vit.blocks) - 1}")
+        blk = vit.blocks[layer]
+        for target, d in deltas.items():
+            if target not in LORA_TARGETS:
+                raise ValueError(f"unknown LoRA target {target!r} in layer {layer}; choose from {LORA_TARGETS}")
+            w = (blk.attn if target in ("qkv", "proj") else blk.mlp).get_submodule(target).weight
+            shape = tuple(d.b.shape) if d.a is None else (d.b.shape[0], d.a.shape[1])
+            inner_ok = d.a is None or d.a.shape[0] == d.b.shape[1]
+            if shape != tuple(w.shape) or not inner_ok:
+                a_shape = None if d.a is None else tuple(d.a.shape)
+                raise ValueError(
+                    f"LoRA delta on layer {layer} {target}: A {a_shape}, B {tuple(d.b.shape)} do not give the "
+                    f"weight's shape {tuple(w.shape)} (A: (rank, in), B: (out, rank))"
+                )
 
 
 class FrozenViT(nn.Module):
@@ -129,17 +180,24 @@ class FrozenViT(nn.Module):
             spec = None
         h = vit.norm_pre(self._embed(x, spec))
         prefix = spec.prefix if spec is not None else {}
+        lora = {i: d for i, d in spec.lora.items() if d} if spec is not None else {}
         bad = [i for i in prefix if not 0 <= i < len(vit.blocks)]
         if bad:
             raise ValueError(f"prefix layers {bad} outside 0..{len(vit.blocks) - 1}")
+        if lora:
+            check_lora(vit, lora)
         for i, blk in enumerate(vit.blocks):
-            h = prefixed_block(blk, h, *prefix[i]) if i in prefix else blk(h)
+            h = adapted_block(blk, h, prefix.get(i), lora.get(i)) if i in prefix or i in lora else blk(h)
         return vit.norm(h)
+
+    def patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The patch embedding's tokens (B, N, d) before positions and class token (cached for a CNN stem)."""
+        vit = self.vit
+        return vit.patch_embed(x) if self.stem_cache is None else self.stem_cache(x, vit.patch_embed)
 
     def _embed(self, x: torch.Tensor, spec: PromptSpec | None) -> torch.Tensor:
         vit = self.vit
-        stem = vit.patch_embed(x) if self.stem_cache is None else self.stem_cache(x, vit.patch_embed)
-        h = vit.patch_drop(vit._pos_embed(stem))
+        h = vit.patch_drop(vit._pos_embed(self.patch_tokens(x)))
         if spec is None or spec.tokens is None:
             return h
         t = _expand(spec.tokens, h.shape[0]).to(h.dtype)

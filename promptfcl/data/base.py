@@ -1,10 +1,10 @@
-"""In-memory image datasets: decoded once into uint8 tensors, plus the dataset registry."""
+"""Image splits (decoded uint8 tensors, or file lists not decoded yet), datasets, subsampling and the registry."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,14 @@ class DataMissingError(FileNotFoundError):
 
 @dataclass
 class ImageSplit:
-    """One split: uint8 images (N, 3, H, W) and int64 class ids (N,)."""
+    """One split: uint8 images (N, 3, H, W) and int64 class ids (N,).
 
-    images: torch.Tensor
+    `images` is an ordinary tensor for the in-memory datasets (CIFAR, Fashion-MNIST, synthetic) and a tensor
+    mapped copy-on-write from a cache file for file-based ones (`promptfcl.data.cache`): indexing a batch reads
+    only that batch's pages, and every process mapping the file shares them.
+    """
+
+    images: torch.Tensor = field(repr=False)
     targets: torch.Tensor
 
     def __post_init__(self) -> None:
@@ -42,12 +47,48 @@ class ImageSplit:
 
 
 @dataclass
+class FileSplit:
+    """A split listed by file and not decoded yet: images `base/<path>` with their class ids, to be decoded to
+    `size` × `size` pixels.
+
+    `subset` only selects list entries, so a subsample decodes nothing it drops; `promptfcl.data.cache.materialize`
+    decodes the kept files once (into a memory-mapped cache file, or into RAM) and returns an `ImageSplit`.
+    """
+
+    base: Path
+    paths: list[str] = field(repr=False)
+    targets: torch.Tensor
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.targets.shape != (len(self.paths),):
+            raise ValueError("targets must have one entry per listed file")
+        self.targets = self.targets.long()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def subset(self, indices: np.ndarray | torch.Tensor) -> FileSplit:
+        idx = np.asarray(indices, dtype=np.int64)
+        return FileSplit(
+            self.base, [self.paths[i] for i in idx], self.targets[torch.from_numpy(idx)].clone(), self.size
+        )
+
+
+Split = ImageSplit | FileSplit
+
+
+@dataclass
 class ImageDataset:
-    """A decoded dataset with train and test splits and class names."""
+    """A dataset with train and test splits and class names.
+
+    Adapters of file-based releases return `FileSplit`s; `promptfcl.runtime.load_dataset` subsamples them and
+    decodes what is kept, so every dataset a run sees holds `ImageSplit`s.
+    """
 
     name: str
-    train: ImageSplit
-    test: ImageSplit
+    train: Split
+    test: Split
     class_names: list[str]
 
     @property
@@ -66,8 +107,10 @@ class DatasetSpec:
     """How to find, check and decode one dataset.
 
     `check(root, options)` must be cheap (file existence only) and raise `DataMissingError` with the expected
-    layout; `load(root, options, download)` decodes everything into an `ImageDataset`; `num_classes(options)`
-    lets configs be validated without decoding.
+    layout; `load(root, options, download)` returns an `ImageDataset` whose splits are decoded tensors
+    (`ImageSplit`) or file lists (`FileSplit`, decoded by `load_dataset` after subsampling); `num_classes(options)`
+    lets configs be validated without decoding. `own_long_tail`: the training split may carry its own long-tailed
+    class counts (ImageNet-LT, image lists), so `scenario.long_tail.profile: dataset` is allowed on it.
     """
 
     name: str
@@ -77,6 +120,7 @@ class DatasetSpec:
     num_classes: Callable[[Any], int]
     options: type[BaseModel] = NoOptions
     needs_root: bool = True
+    own_long_tail: bool = False
 
 
 DATASETS: Registry[DatasetSpec] = Registry("dataset")
@@ -94,8 +138,9 @@ def resolve_root(spec: DatasetSpec, root: str | None) -> Path:
     return Path(base).expanduser() / spec.folder if base else Path("data") / spec.folder
 
 
-def subsample_per_class(split: ImageSplit, per_class: int | None, rng: np.random.Generator) -> ImageSplit:
-    """Keep at most `per_class` images of every class, chosen with `rng`, in original order."""
+def subsample_per_class(split: Split, per_class: int | None, rng: np.random.Generator) -> Split:
+    """Keep at most `per_class` images of every class, chosen with `rng`, in original order (a `FileSplit` stays
+    a file list: nothing is decoded here)."""
     if per_class is None:
         return split
     targets = split.targets.numpy()

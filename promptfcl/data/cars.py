@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import Row, check_files, decode_rows, scan_class_folders
+from promptfcl.data.files import Row, check_files, file_split, scan_class_folders
 
 _TEST_ANNOS = "cars_test_annos_withlabels.mat"
 _HOW = (
@@ -94,7 +94,7 @@ def load_cars(root: Path, o: CarsOptions, download: bool) -> ImageDataset:
             raise DataMissingError(f"{root}/devkit/cars_meta.mat lists fewer class names than the annotations use")
         base_train = base_test = root
     return ImageDataset(
-        "cars196", decode_rows(base_train, train, o.decode_size), decode_rows(base_test, test, o.decode_size), names
+        "cars196", file_split(base_train, train, o.decode_size), file_split(base_test, test, o.decode_size), names
     )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import check_files, decode_rows
+from promptfcl.data.files import check_files, file_split
 
 _FILES = ("images.txt", "image_class_labels.txt", "train_test_split.txt", "classes.txt", "images/")
 
@@ -63,7 +63,7 @@ def load_cub(root: Path, o: CUBOptions, download: bool) -> ImageDataset:
             raise DataMissingError(f"{root}: image {i} has split flag {flags[i]!r} / label {labels[i]!r}")
         rows[flags[i]].append((f"images/{paths[i]}", int(labels[i]) - 1))
     return ImageDataset(
-        "cub200", decode_rows(root, rows["1"], o.decode_size), decode_rows(root, rows["0"], o.decode_size), names
+        "cub200", file_split(root, rows["1"], o.decode_size), file_split(root, rows["0"], o.decode_size), names
     )
 
 

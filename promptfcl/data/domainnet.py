@@ -16,7 +16,8 @@ Layout (`data.root`, default `$PROMPTFCL_DATA/domainnet`): every domain's zip un
   image-for-image HePCo's.
 
 HePCo uses 5 tasks × 69 classes, C2Prompt/Powder 10 tasks × 35 classes per client (configs/hepco/, configs/c2prompt/).
-Memory: all six domains at 224 px are ~88 GB of uint8; choose `domains` or a lower `decode_size` to fit.
+Size: all six domains at 224 px are 88.3 GB of uint8 in the image cache (`promptfcl.data.cache`, on disk and
+mapped, not in RAM); choose `domains` or a lower `decode_size` to shrink it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import IMAGE_SUFFIXES, Row, check_files, decode_rows, names_from_rows, pooled_split, read_list
+from promptfcl.data.files import IMAGE_SUFFIXES, Row, check_files, file_split, names_from_rows, pooled_split, read_list
 from promptfcl.data.split_files import anchor_rows, read_coda_split
 
 DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
@@ -113,7 +114,7 @@ def load_domainnet(root: Path, o: DomainNetOptions, download: bool) -> ImageData
                 raise DataMissingError(f"the CODA-P split files list no images of domains {', '.join(o.domains)}")
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "domainnet", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "domainnet", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 

@@ -28,7 +28,7 @@ from promptfcl.data.files import (
     Row,
     check_files,
     check_subfolders,
-    decode_rows,
+    file_split,
     names_from_rows,
     per_class_split,
     scan_class_folders,
@@ -88,9 +88,7 @@ def load_eurosat(root: Path, o: EuroSATOptions, download: bool) -> ImageDataset:
         assert path is not None  # checked above
         train, test = (anchor_rows(root, rows, 2, ("EuroSAT_RGB", "2750")) for rows in _read_zhou(path))
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
-    return ImageDataset(
-        "eurosat", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
-    )
+    return ImageDataset("eurosat", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names)
 
 
 register_dataset(DatasetSpec("eurosat", "EuroSAT_RGB", load_eurosat, check_eurosat, lambda o: 10, EuroSATOptions))

@@ -1,27 +1,25 @@
-"""Shared mechanics of the file-based datasets: split lists, class folders, seeded splits, image decoding.
+"""Shared mechanics of the file-based datasets: split lists, class folders, seeded splits.
 
 Every adapter (`image_folder`, ImageNet-R/-A/-LT, DomainNet, EuroSAT, Cars-196, CUB-200) reduces its layout to
-*rows* — `(path relative to a base folder, class id)` — and hands them to `decode_rows`, which decodes each image
-once, resizes it to a square and keeps uint8 tensors (threads for large lists: PIL releases the GIL).
+*rows* — `(path relative to a base folder, class id)` — and hands them to `file_split`, which keeps the list
+without decoding anything: `promptfcl.runtime.load_dataset` subsamples it, then `promptfcl.data.cache` decodes
+the kept images once (`promptfcl.data.decode`) into a memory-mapped cache file.
 """
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from promptfcl.data.base import DataMissingError, ImageSplit
+from promptfcl.data.base import DataMissingError, FileSplit
 from promptfcl.seeding import numpy_rng
 
 Row = tuple[str, int]
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
-_PARALLEL_FROM = 256  # images; below this a thread pool costs more than it saves
 
 
 def read_list(path: Path) -> list[Row]:
@@ -118,28 +116,6 @@ def check_subfolders(base: Path, label: str, what: str, how: str) -> None:
         check_files(base, [label], what, how)
 
 
-def _decode_one(path: Path, size: int) -> np.ndarray:
-    from PIL import Image
-
-    if not path.is_file():
-        raise DataMissingError(f"{path} is listed in the split file but does not exist")
-    try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC))
-    except OSError as e:
-        raise DataMissingError(f"{path} could not be decoded as an image: {e}") from None
-
-
-def decode_rows(root: Path, rows: Sequence[Row], size: int) -> ImageSplit:
-    """Decode `root/<path>` of every row into a uint8 (N, 3, size, size) split (bicubic resize, RGB)."""
-    images = np.empty((len(rows), size, size, 3), dtype=np.uint8)
-    paths = [root / rel for rel, _ in rows]
-    if len(rows) >= _PARALLEL_FROM:
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            for i, img in enumerate(pool.map(lambda p: _decode_one(p, size), paths)):
-                images[i] = img
-    else:
-        for i, p in enumerate(paths):
-            images[i] = _decode_one(p, size)
-    targets = torch.tensor([c for _, c in rows], dtype=torch.long)
-    return ImageSplit(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), targets)
+def file_split(root: Path, rows: Sequence[Row], size: int) -> FileSplit:
+    """The images `root/<path>` of `rows`, listed (not decoded) for decoding to `size` × `size` pixels."""
+    return FileSplit(root, [rel for rel, _ in rows], torch.tensor([c for _, c in rows], dtype=torch.long), size)

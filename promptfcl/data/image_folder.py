@@ -7,7 +7,8 @@ Expected layout (`data.root`):
     <root>/classes.txt      optional: one class name per line, in class-id order
     <root>/<relative/path.jpg> ...
 
-Images are decoded once, resized to `decode_size` square, and kept as uint8 tensors.
+Images are listed, subsampled, and the kept ones decoded once to `decode_size` squares into the image cache
+(`promptfcl.data.cache`). The lists may describe a long-tailed split: `scenario.long_tail.profile: dataset` keeps it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, register_dataset
-from promptfcl.data.files import decode_rows, read_list
+from promptfcl.data.files import file_split, read_list
 
 
 class ImageFolderOptions(BaseModel):
@@ -48,7 +49,7 @@ def load_image_folder(root: Path, o: ImageFolderOptions, download: bool) -> Imag
     names_file = root / o.classes_file
     names = names_file.read_text().splitlines()[:n] if names_file.is_file() else [f"class_{i}" for i in range(n)]
     return ImageDataset(
-        root.name, decode_rows(root, train_rows, o.decode_size), decode_rows(root, test_rows, o.decode_size), names
+        root.name, file_split(root, train_rows, o.decode_size), file_split(root, test_rows, o.decode_size), names
     )
 
 
@@ -59,5 +60,13 @@ def _num_classes(o: ImageFolderOptions) -> int:
 
 
 register_dataset(
-    DatasetSpec("image_folder", "image_folder", load_image_folder, check_image_folder, _num_classes, ImageFolderOptions)
+    DatasetSpec(
+        "image_folder",
+        "image_folder",
+        load_image_folder,
+        check_image_folder,
+        _num_classes,
+        ImageFolderOptions,
+        own_long_tail=True,  # the lists may describe a long-tailed split (iNaturalist, Places-LT, ...)
+    )
 )

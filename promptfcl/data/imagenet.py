@@ -24,8 +24,10 @@ with `split_seed` (0) — our convention, stated here because the paper states n
 '<path> <class id>' lines (`train/n01440764/....JPEG 0`, `val/n01440764/....JPEG 0`) next to the ImageNet
 `train/` and `val/` folders (val sorted into wnid folders). Class names are the wnids.
 
-All three decode every image once to `decode_size` (224) square uint8 tensors: ImageNet-R needs ~4.5 GB of RAM at
-224 px, ImageNet-LT ~25 GB (lower `decode_size` for a smaller footprint; the transform resizes to the backbone).
+All three list their files; the run decodes the images it keeps once to `decode_size` (224) squares in the image
+cache (`promptfcl.data.cache`): ImageNet-R takes 4.5 GB on disk at 224 px, ImageNet-LT 25.0 GB (lower
+`decode_size` for a smaller footprint; the transform resizes to the backbone). ImageNet-LT's training split is
+long-tailed as released: `scenario.long_tail.profile: dataset` keeps its class counts (CAPT's ImageNet-LT).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from promptfcl.data.base import DataMissingError, DatasetSpec, ImageDataset, reg
 from promptfcl.data.files import (
     check_files,
     check_subfolders,
-    decode_rows,
+    file_split,
     names_from_rows,
     per_class_split,
     pooled_split,
@@ -85,7 +87,7 @@ def load_imagenet_r(root: Path, o: ImageNetROptions, download: bool) -> ImageDat
         )
         names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "imagenet_r", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "imagenet_r", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 
@@ -130,7 +132,7 @@ def load_imagenet_a(root: Path, o: ImageNetAOptions, download: bool) -> ImageDat
         test = [(rel, index[test_names[c]]) for rel, c in test_rows]
         base_train, base_test = root / "train", root / "test"
     return ImageDataset(
-        "imagenet_a", decode_rows(base_train, train, o.decode_size), decode_rows(base_test, test, o.decode_size), names
+        "imagenet_a", file_split(base_train, train, o.decode_size), file_split(base_test, test, o.decode_size), names
     )
 
 
@@ -158,7 +160,7 @@ def load_imagenet_lt(root: Path, o: ImageNetLTOptions, download: bool) -> ImageD
     train, test = read_split_file(root / o.train_list), read_split_file(root / o.test_list)
     names = names_from_rows(train + test, 1 + max(c for _, c in train + test))
     return ImageDataset(
-        "imagenet_lt", decode_rows(root, train, o.decode_size), decode_rows(root, test, o.decode_size), names
+        "imagenet_lt", file_split(root, train, o.decode_size), file_split(root, test, o.decode_size), names
     )
 
 
@@ -169,5 +171,13 @@ register_dataset(
     DatasetSpec("imagenet_a", "imagenet-a", load_imagenet_a, check_imagenet_a, lambda o: 200, ImageNetAOptions)
 )
 register_dataset(
-    DatasetSpec("imagenet_lt", "imagenet", load_imagenet_lt, check_imagenet_lt, lambda o: 1000, ImageNetLTOptions)
+    DatasetSpec(
+        "imagenet_lt",
+        "imagenet",
+        load_imagenet_lt,
+        check_imagenet_lt,
+        lambda o: 1000,
+        ImageNetLTOptions,
+        own_long_tail=True,
+    )
 )

@@ -39,7 +39,7 @@ from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.evaluator import TaskResult
 from promptfcl.evaluation.metrics import accuracy_curve, spatial_retention, summarize, temporal_retention
-from promptfcl.evaluation.prompt_effect import PromptEffect, compare_predict, has_prompts
+from promptfcl.evaluation.prompt_effect import PromptEffect, compare_predict, prompt_effect_applies
 from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundFailed, ServerProgram
@@ -182,7 +182,7 @@ class ClientLocalRegime:
                 effect = PromptEffect()
                 for c in counts:
                     effect.add_counts(c)
-                state[PROMPT_EFFECT] = effect.as_dict(applicable=has_prompts(server.global_model()))
+                state[PROMPT_EFFECT] = effect.as_dict(applicable=prompt_effect_applies(server.global_model()))
         held = {c: r.scalars["global"] for c, r in replies.items()}
         local = {
             c: r.scalars["local"]["counts"]

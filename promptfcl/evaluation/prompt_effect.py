@@ -18,13 +18,29 @@ from torch import nn
 from promptfcl.scenario.label_space import masked_logits
 
 
+def prompt_effect_applies(model: nn.Module) -> bool:
+    """Whether "the same model without its prompts" is defined: the model injects something (`has_prompts`) and
+    its head does not read the prompt tokens' own outputs (`prompt_free_forward`, e.g. FedMGP's prompt-mean
+    readout has nothing to read once the prompts are gone; its mechanism evidence is the key-hit check)."""
+    return has_prompts(model) and bool(getattr(model, "prompt_free_forward", True))
+
+
 def has_prompts(model: nn.Module) -> bool:
-    """Whether the model injects anything into the backbone (`prompted` if it says so, else a non-empty `prompt`)."""
+    """Whether the model injects anything into the backbone: `prompted` if it says so, else whether its `prompt`
+    module has parameters or produces a non-empty spec (fixed deltas, e.g. LoRM's merged module, have none)."""
     flag = getattr(model, "prompted", None)
     if flag is not None:
         return bool(flag)
     prompt = getattr(model, "prompt", None)
-    return prompt is not None and any(p.numel() for p in prompt.parameters())
+    if prompt is None:
+        return False
+    if any(p.numel() for p in prompt.parameters()):
+        return True
+    if getattr(prompt, "needs_query", False):
+        return False
+    with torch.no_grad():
+        spec = prompt(1, None)
+    return not spec.is_empty()
 
 
 @dataclass

@@ -4,9 +4,12 @@
   after each task → the accuracy matrix, FAA, forgetting, BWT (`evaluation.metrics`).
 - `SlotRegime` (`task_aware` on an asynchronous scenario, Powder/C2Prompt): at every stage end (and every round
   with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
-  classes with logits masked to its own slots, using the model the server holds for that client
-  (`ServerProgram.client_model`; `eval.model: global` forces the global model) → the transfer metrics of
-  `evaluation.transfer`, FWT against `eval.direct_reference`.
+  classes (in the owner client's image domain when `scenario.domains` is set) with logits masked to its own slots,
+  using the model the server holds for that client (`ServerProgram.client_model`; `eval.model: global` forces the
+  global model) → the transfer metrics of `evaluation.transfer`, FWT against `eval.direct_reference`. Which model
+  was scored is read from the models the server served and recorded as metrics.json `scored_model` (`scored_model`:
+  global | client | task), so reports can say, e.g., that C2Prompt is scored on each client's own CPA model and
+  Fed-CODAP on the global one.
 - `ClientLocalRegime` (`client_local` on a personalized scenario, FedMGP): every client tests its own model on its
   local test splits through `evaluate` messages sent over the run's `Grid`, with KR_t / KR_s per round
   (`evaluation.client_local`).
@@ -31,12 +34,13 @@ from torch import nn
 
 from promptfcl.config import ConfigError, EvalConfig
 from promptfcl.data.base import ImageSplit
+from promptfcl.data.domains import ImageDomain
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
-from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, has_prompts
+from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, prompt_effect_applies
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
 from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.protocol import Grid, ServerProgram
@@ -57,7 +61,7 @@ class ServerSideRegime:
         """state["prompt_effect"] from (model, batches of (x, y, mask)) pairs, when the backbone can drop prompts."""
         if self.backbone is None or not hasattr(self.backbone, "prompts_disabled"):
             return
-        if not any(has_prompts(m) for m, _ in models):
+        if not any(prompt_effect_applies(m) for m, _ in models):
             state["prompt_effect"] = {"applicable": False}
             return
         effect = PromptEffect()
@@ -131,7 +135,10 @@ class ClassIncrementalRegime(ServerSideRegime):
 
 
 class SlotEvaluator:
-    """Masked accuracy per label-space task; each model's logits are computed once per test image."""
+    """Masked accuracy per label-space task; each model's logits are computed once per test image and domain.
+
+    A label-space task's test images are seen in its owner client's image domain (`Scenario.client_domain`,
+    `scenario.domains`), as the client's training images are."""
 
     def __init__(
         self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int, device: torch.device
@@ -139,17 +146,22 @@ class SlotEvaluator:
         self.test, self.scenario, self.transform = test, scenario, transform
         self.batch_size, self.device = batch_size, device
 
+    def domain(self, g: int) -> ImageDomain | None:
+        """The image domain label-space task g is tested in: its owner client's."""
+        owners = self.scenario.owners
+        return self.scenario.client_domain(owners[g][0]) if owners else None
+
     @torch.no_grad()
-    def logits(self, model: nn.Module, idx: np.ndarray) -> torch.Tensor:
+    def logits(self, model: nn.Module, idx: np.ndarray, domain: ImageDomain | None = None) -> torch.Tensor:
         model.eval()
-        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), self.test.targets[idx])
+        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), self.test.targets[idx], domain)
         return torch.cat([model(x).cpu() for x, _ in sub.batches(self.batch_size, self.transform, device=self.device)])
 
     def task_batches(self, g: int) -> Any:
-        """(images, logit targets, slot mask) batches of label-space task g's test images."""
+        """(images, logit targets, slot mask) batches of label-space task g's test images (in its domain)."""
         space, idx = self.scenario.label_space, self.scenario.test_indices[g]
         targets = space.task_class_to_logit(g)[self.test.targets[idx]]
-        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), targets)
+        sub = LabeledSubset(self.test, torch.as_tensor(idx, dtype=torch.long), targets, self.domain(g))
         mask = space.mask(space.tasks[g].logits)
         for x, y in sub.batches(self.batch_size, self.transform, device=self.device):
             yield x, y, mask
@@ -158,14 +170,14 @@ class SlotEvaluator:
         """{label_task, client, client_task, correct, total, accuracy} per label-space task g, with `models[g]`."""
         s, space = self.scenario, self.scenario.label_space
         owners = s.owners or [(0, g) for g in range(len(s.task_classes))]
-        by_model: dict[int, list[int]] = {}
+        by_input: dict[tuple[int, ImageDomain | None], list[int]] = {}  # (model, domain) → its tasks
         for g in label_tasks:
-            by_model.setdefault(id(models[g]), []).append(g)
+            by_input.setdefault((id(models[g]), self.domain(g)), []).append(g)
         out = []
-        for groups in by_model.values():
+        for (_, domain), groups in by_input.items():
             model = models[groups[0]]
             union = np.unique(np.concatenate([s.test_indices[g] for g in groups]))
-            logits = self.logits(model, union)
+            logits = self.logits(model, union, domain)
             for g in groups:
                 pos = torch.as_tensor(np.searchsorted(union, s.test_indices[g]), dtype=torch.long)
                 slots = torch.tensor(space.tasks[g].logits, dtype=torch.long)
@@ -225,6 +237,22 @@ def slot_summary(
     )
 
 
+SCORED_ORDER = ("global", "client", "task")
+
+
+def scored_model(server: ServerProgram, models: dict[int, nn.Module], owners: list[tuple[int, int]]) -> str:
+    """Which model one task-aware evaluation scored, from the objects the server served per label-space task g:
+    `global` (every g got the global model), `task` (some client's tasks got different models: one model per
+    (client, task), the direct reference) or `client` (client-specific models, one per client, e.g. CPA)."""
+    glob = server.global_model()
+    if all(m is glob for m in models.values()):
+        return "global"
+    per_client: dict[int, set[int]] = {}
+    for g, m in models.items():
+        per_client.setdefault(owners[g][0], set()).add(id(m))
+    return "task" if any(len(ids) > 1 for ids in per_client.values()) else "client"
+
+
 class SlotRegime(ServerSideRegime):
     """Task-aware accuracy per (client, task) on its own slots, with the client's model (asynchronous runs)."""
 
@@ -245,6 +273,8 @@ class SlotRegime(ServerSideRegime):
             for g in tasks
         }
         results = self.evaluator.evaluate(models, tasks)
+        kind = scored_model(server, models, owners)  # the most specific evidence over the run's evaluations
+        state["scored_model"] = max(kind, state.get("scored_model", "global"), key=SCORED_ORDER.index)
         for r in results:
             state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
         if last and task == self.scenario.num_tasks - 1:
@@ -273,7 +303,15 @@ class SlotRegime(ServerSideRegime):
             "accuracy_curve": stage_accuracy(points),
             "evaluations": log,
             "direct_reference": self.cfg.direct_reference,
+            "scored_model": state.get("scored_model"),
+            **self.domains(),
         }
+
+    def domains(self) -> dict[str, Any]:
+        """metrics.json `client_domains`: each client's image domain with its parameters, when the scenario has them."""
+        if self.scenario.domains is None:
+            return {}
+        return {"client_domains": [d.describe() for d in self.scenario.domains]}
 
 
 def check_regime(regime: str, scenario_kind: str) -> None:

@@ -19,8 +19,8 @@ something. Every run's `metrics.json` gets a `validity` block, `{"valid": bool, 
 - method signals, read from the round log when a method reports them:
   `key_hit` (FedMGP: test-time local-prompt hit rate ≥ `KEY_HIT_FACTOR` × its chance rate, last evaluation),
   `generator_fidelity` (HePCo: the client heads classify the generator's latents as their conditioning label at
-  least `MIN_FIDELITY` % of the time, mean over rounds), `stage_a` (HePCo: prompt distillation moves the prompts
-  by at least `MIN_STAGE_A` of the round's FedAvg move and lowers its loss, mean over rounds), `lcdc` (C2Prompt:
+  least a `MIN_FIDELITY` fraction of the time, mean over rounds), `stage_a` (HePCo: prompt distillation moves the
+  prompts by at least `MIN_STAGE_A` of the round's FedAvg move and lowers its loss, mean over rounds), `lcdc` (C2Prompt:
   compensation prompts bring the features closer to the global class Gaussians than the unprompted ones — NLL
   after < unprompted NLL, mean over rounds).
 """
@@ -36,7 +36,7 @@ LOSS_FRACTION = 0.5
 CHANCE_P = 1e-3
 MIN_CHANGED = 5.0
 KEY_HIT_FACTOR = 2.0
-MIN_FIDELITY = 50.0
+MIN_FIDELITY = 0.5  # a fraction of the generated latents
 MIN_STAGE_A = 0.05
 
 
@@ -159,7 +159,7 @@ def check_generator_fidelity(rounds: list[dict[str, Any]]) -> Check | None:
     if not v:
         return None
     m = _mean(v)
-    return Check("generator_fidelity", m, f"≥ {MIN_FIDELITY:g} % (mean over rounds)", m >= MIN_FIDELITY)
+    return Check("generator_fidelity", m, f"≥ {MIN_FIDELITY:g} of latents (mean over rounds)", m >= MIN_FIDELITY)
 
 
 def check_stage_a(rounds: list[dict[str, Any]]) -> Check | None:

@@ -222,3 +222,66 @@ def screen_updates(
         else:
             reasons.append(None)
     return reasons
+
+
+def regularize_gram(gram: torch.Tensor, decay: float) -> torch.Tensor:
+    """RegMean's off-diagonal decay (Jin et al., ICLR 2023, §3.3): γ·G + (1 − γ)·diag(G). γ = 1 keeps G; γ = 0
+    keeps only its diagonal, returned as the (n,) vector of that diagonal (all a diagonal Gram needs to travel)."""
+    if not 0 <= decay <= 1:
+        raise ValueError(f"Gram decay must be in [0, 1], got {decay}")
+    if decay == 0:
+        return gram.diagonal().clone() if gram.dim() == 2 else gram
+    if gram.dim() == 1:
+        raise ValueError("a diagonal Gram cannot be regularised with decay > 0 (its off-diagonals were not kept)")
+    return decay * gram + (1 - decay) * torch.diag_embed(gram.diagonal())
+
+
+def project_gram(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """A·G·Aᵀ for A (r, n) and a full (n, n) or diagonal (n,) Gram, in float64: the Gram of the inputs A·x."""
+    a = a.double()
+    g = gram.double()
+    return (a * g) @ a.T if g.dim() == 1 else a @ g @ a.T
+
+
+def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> torch.Tensor:
+    """RegMean's closed-form merge W* = (Σ_k W_k·G_k)·(Σ_k G_k)⁺ of linear maps W_k (m, n) whose inputs have Gram
+    matrices G_k = X_kᵀX_k (n, n) — the minimiser of Σ_k ‖X_k·W*ᵀ − X_k·W_kᵀ‖²_F. A diagonal Gram may be given
+    as its (n,) diagonal (all must then be diagonal): every input column is then a weighted mean. Solved in
+    float64 with a pseudo-inverse (a direction no client's inputs reach gets 0), returned in W_0's dtype."""
+    if not weights or len(weights) != len(grams):
+        raise ValueError(f"regmean needs one Gram per weight, got {len(weights)} weights and {len(grams)} Grams")
+    diagonal = grams[0].dim() == 1
+    if any((g.dim() == 1) != diagonal for g in grams):
+        raise ValueError("regmean: mix of diagonal and full Gram matrices")
+    total = torch.stack([g.double() for g in grams]).sum(0)
+    if diagonal:
+        num = torch.stack([w.double() * g.double() for w, g in zip(weights, grams, strict=True)]).sum(0)
+        inv = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total))
+        return (num * inv).to(weights[0].dtype)
+    num = torch.stack([w.double() @ g.double() for w, g in zip(weights, grams, strict=True)]).sum(0)
+    return (num @ torch.linalg.pinv(total, hermitian=True)).to(weights[0].dtype)
+
+
+def prototype_reweight(
+    prototypes: torch.Tensor, features: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PILoRA's prototype re-weighting of one class (Guo et al., ECCV 2024, §3.2; official `compute_weight`).
+
+    `prototypes` (K, d): the class's prototype as trained by each of K clients; `features` (J, d): the class's
+    mean feature on each of the J clients that hold it. Client k's prototype is scored by the reciprocal of its
+    summed Euclidean distance to those features, s_k = 1 / Σ_j ‖m_k − f_j‖₂, scores are min-max normalised and
+    w = softmax(ŝ / τ); the global prototype is Σ_k w_k·m_k. Without features (or with equal scores) every
+    prototype weighs the same. Returns (global prototype (d,), weights (K,)), float64 sums, prototypes' dtype.
+    """
+    k = prototypes.shape[0]
+    if k == 0:
+        raise ValueError("no prototypes to re-weight")
+    p = prototypes.double()
+    if features.shape[0] == 0:
+        w = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    else:
+        score = 1.0 / torch.cdist(p, features.double()).sum(1).clamp_min(1e-12)
+        span = score.max() - score.min()
+        norm = (score - score.min()) / span if span > 0 else torch.zeros_like(score)
+        w = torch.softmax(norm / temperature, dim=0)
+    return (w @ p).to(prototypes.dtype), w

@@ -47,10 +47,13 @@ def run_client(
     seed_everything(client_seed)
     label_task = scenario.label_task(task, client_id)
     space = scenario.client_label_space(client_id)  # its own task sequence in a personalized scenario
-    data = LabeledSubset.of(train, scenario.client_indices(task, client_id), space.task_class_to_logit(label_task))
+    domain = scenario.client_domain(client_id)  # its fixed image domain (scenario.domains), None when off
+    data = LabeledSubset.of(
+        train, scenario.client_indices(task, client_id), space.task_class_to_logit(label_task), domain
+    )
 
     def local_test(t: int) -> LabeledSubset:
-        return LabeledSubset.of(train, scenario.client_test_indices(t, client_id), space.task_class_to_logit(t))
+        return LabeledSubset.of(train, scenario.client_test_indices(t, client_id), space.task_class_to_logit(t), domain)
 
     ctx = ClientContext(
         client_id, task, rnd, state, data, client_seed, device, label_task,

@@ -53,6 +53,7 @@ class LoopbackFederation:
             "PYTHONUNBUFFERED": "1",
         }
         self.procs: list[subprocess.Popen] = []
+        self.runs: list[subprocess.Popen] = []  # `flwr run` CLIs, killed by `stop()` if still running
         self.port = free_port()  # the SuperLink's one Runtime HTTP API (fleet, control, serverappio)
         link = [str(BIN / "flower-superlink"), "--disable-runtime-dependency-installation", "--port", str(self.port)]
         names = [f"node{k}" for k in range(clients)]
@@ -66,10 +67,10 @@ class LoopbackFederation:
             link += ["--insecure"]
             connection = "insecure = true"
         self._start("superlink", link)
-        subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=60)
+        subprocess.run([str(BIN / "flwr"), "config", "list"], env=self.env, capture_output=True, timeout=120)
         with open(home / "config.toml", "a") as f:
             f.write(f'\n[superlink.test]\naddress = "127.0.0.1:{self.port}"\n{connection}\n')
-        time.sleep(4)
+        self._wait_listening(self.port)  # a busy machine may take far longer than the usual few seconds
         if secure:
             for name in names:
                 self.flwr("supernode", "register", str(self.keys[name][1]), "test")
@@ -81,6 +82,17 @@ class LoopbackFederation:
                 node += ["--insecure"]
             config = f"partition-id={k} num-partitions={clients} worker-dir='{self.worker_dir}'"
             self._start(name, [*node, "--node-config", config])
+
+    def _wait_listening(self, port: int, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[0].poll() is not None:
+                raise RuntimeError(f"the SuperLink exited:\n{(self.home / 'superlink.log').read_text()[-3000:]}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=2.0):
+                time.sleep(1.0)  # listening; give its other services a moment
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the SuperLink did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
 
     def worker_status(self) -> list[dict]:
         """The status of every promptfcl node worker these nodes started (pid, runtime builds, messages)."""
@@ -96,7 +108,7 @@ class LoopbackFederation:
         nodes = json.loads(self.flwr("supernode", "list", "test", "--format", "json"))["nodes"]
         return sum(n["status"] == "online" for n in nodes)
 
-    def wait_online(self, expected: int, timeout: float = 120.0) -> int:
+    def wait_online(self, expected: int, timeout: float = 300.0) -> int:
         """Wait until `expected` nodes are online (or `timeout` passes); returns how many are."""
         deadline = time.monotonic() + timeout
         while self.online_nodes() < expected and time.monotonic() < deadline:
@@ -124,13 +136,15 @@ class LoopbackFederation:
     def start_run(self, app: Path, run_config: str) -> subprocess.Popen:
         """`flwr run` in the background (streaming its output); `result` reads its summary line."""
         cmd = [str(BIN / "flwr"), "run", str(app), "test", "--stream", "--run-config", run_config]
-        return subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.runs.append(proc)
+        return proc
 
-    def run(self, app: Path, run_config: str, timeout: int = 400) -> dict:
+    def run(self, app: Path, run_config: str, timeout: int = 900) -> dict:
         """Run an experiment through the federation; returns the ServerApp's `{"promptfcl": ...}` summary."""
         return self.result(self.start_run(app, run_config), timeout)
 
-    def result(self, proc: subprocess.Popen, timeout: int = 400) -> dict:
+    def result(self, proc: subprocess.Popen, timeout: int = 900) -> dict:
         stdout, stderr = proc.communicate(timeout=timeout)
         out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         for line in out.stdout.splitlines():
@@ -140,6 +154,10 @@ class LoopbackFederation:
         raise RuntimeError(f"no result line from flwr run:\n{out.stdout[-3000:]}\n{out.stderr[-2000:]}\n{logs}")
 
     def stop(self) -> None:
+        for run in self.runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate(timeout=30)
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)

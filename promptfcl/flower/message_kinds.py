@@ -11,5 +11,7 @@ CLIENT_MESSAGE_KINDS: tuple[str, ...] = (
     "label_counts",  # CAPT
     "update",  # CAPT
     "stats",  # C2Prompt
+    "gram",  # LoRM (end-of-task Gram matrices)
+    "signature",  # Powder (and C2Prompt with base: powder)
     "evaluate",  # the client_local evaluation regime (FedMGP and the baselines on personalized scenarios)
 )

@@ -4,8 +4,8 @@
 first ClientApp process of a node (see `promptfcl.flower.worker_link`) and serves that node's later messages
 over a Unix socket. It exits after `--idle-timeout` seconds without a message, when `--parent-pid` (the
 SuperNode's app executor) is gone, or when its socket file is removed. Its status file (`PATH` with
-`.status.json`) records the pid, how many times the runtime was built (always 1) and how many messages were
-served.
+`.status.json`) records the pid, how many times the runtime was built (always 1), how many messages were
+served and whether one is being handled now (`busy`).
 
 `client_step` is also what the ClientApp runs in its own process when the worker is off (Flower's simulation
 runtime, whose Ray workers live for the whole run anyway), so both paths are one computation.
@@ -88,7 +88,7 @@ class NodeWorker:
         self.idle_timeout = idle_timeout
         self.parent_pid = parent_pid
         self.status_file = sock.with_suffix(".status.json")
-        self.status = {"pid": os.getpid(), "runtime_builds": 0, "messages": 0, "errors": 0}
+        self.status = {"pid": os.getpid(), "runtime_builds": 0, "messages": 0, "errors": 0, "busy": False}
 
     def _write_status(self) -> None:
         tmp = self.status_file.with_suffix(".tmp")
@@ -130,6 +130,8 @@ class NodeWorker:
             header, content, state = recv_frames(conn, 3)
         except OSError:
             return  # the ClientApp process went away before sending a whole message
+        self.status["busy"] = True
+        self._write_status()
         try:
             records = from_bytes(state)
             partition = int(json.loads(header)["partition-id"])
@@ -141,6 +143,7 @@ class NodeWorker:
             self.status["errors"] += 1
             frames = (json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}).encode(), b"", b"")
             traceback.print_exc()
+        self.status["busy"] = False
         self._write_status()  # before replying, so a caller that got the reply sees the status of it
         with contextlib.suppress(OSError):
             send_frames(conn, *frames)

@@ -31,6 +31,8 @@ overrides = "[]"
 run-dir = "results/flower"
 resume = false
 timeout = 600.0
+timeout-factor = 5.0
+liveness-interval = 5.0
 node-worker = true
 worker-idle-timeout = 900.0
 """

@@ -8,30 +8,49 @@ Run config (`flwr run APP --run-config '...'`): `config-file` (experiment YAML, 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid as FlowerGridAPI
 from flwr.serverapp import ServerApp
 
-from promptfcl.config import load_config
+from promptfcl.config import ConfigError, load_config
 from promptfcl.experiment import Experiment
-from promptfcl.flower.grid import FlowerGrid, discover_partitions
+from promptfcl.flower.grid import (
+    DEFAULT_LIVENESS_INTERVAL,
+    DEFAULT_TIMEOUT_FACTOR,
+    FlowerGrid,
+    discover_partitions,
+)
 from promptfcl.runtime import Runtime
 
 app = ServerApp()
+
+
+def _positive(run_config: Mapping[str, Any], key: str, default: float) -> float:
+    try:
+        value = float(run_config.get(key, default))
+    except (TypeError, ValueError):
+        raise ConfigError(f"run config {key} = {run_config.get(key)!r}: give a number; fix --run-config") from None
+    if not value > 0:
+        raise ConfigError(f"run config {key} = {value}: must be > 0 (seconds or a factor); fix --run-config")
+    return value
 
 
 @app.main()
 def main(grid: FlowerGridAPI, context: Context) -> None:
     rc = context.run_config
     cfg = load_config(str(rc["config-file"]), json.loads(str(rc.get("overrides", "[]"))))
-    timeout = float(rc.get("timeout", 600.0))
+    timeout = _positive(rc, "timeout", 600.0)
+    factor = _positive(rc, "timeout-factor", DEFAULT_TIMEOUT_FACTOR)
+    liveness = _positive(rc, "liveness-interval", DEFAULT_LIVENESS_INTERVAL)
 
     def make_grid(rt: Runtime) -> FlowerGrid:
         # discovery also waits for each node's worker to build its runtime: allow it the round time limit too
         nodes = discover_partitions(grid, rt.scenario.num_clients, wait_seconds=max(60.0, timeout))
-        return FlowerGrid(grid, nodes, timeout=timeout)
+        return FlowerGrid(grid, nodes, timeout=timeout, timeout_factor=factor, liveness_interval=liveness)
 
     exp = Experiment(cfg, Path(str(rc["run-dir"])), show_progress=False, grid_factory=make_grid, handle_signals=False)
     metrics = exp.run(resume=bool(rc.get("resume", False)))

@@ -7,6 +7,7 @@ from promptfcl.methods import (  # noqa: F401  (register)
     clip_baselines,
     fedavg_ft,
     fedavg_prompt,
+    fedcprompt,
     fedlwf_mc,
     fedmgp,
     fedproto,
@@ -14,7 +15,10 @@ from promptfcl.methods import (  # noqa: F401  (register)
     fedvit,
     hepco,
     hgp,
+    lorm,
+    pilora,
     pool_baselines,
+    powder,
 )
 from promptfcl.methods.registry import METHODS, register_method
 

@@ -4,9 +4,23 @@ No official code exists; this is built from the paper summary (`../shared/papers
 a third-party note, on Powder's benchmark and Fed-CODAP base (`../shared/methods.md` §2). Every equation and every
 choice where the sources are silent is listed here and in `docs/methods/c2prompt.md`.
 
-Model: CODA-P discriminative prompts (`prompts.codap.CodaPool`; N = 8 components of length 10 per stage in layers
-0–4, α_m = cos(q(x) ⊙ A_m, K_m) with q(x) the unprompted frozen CLS, the stage's block trainable and earlier
-blocks frozen) + a linear head over the per-(client, task) slots. Per stage t, for every participant k:
+Base (`base`, the one structural switch): `codap` (default; the implementation that predates Powder here and that
+the existing evidence and tests cover) — CODA-P stage prompts per client, below — | `powder` — the paper's
+pipeline ([N]: "C2Prompt = Powder/CODA-P pipeline + round-0 class-distribution estimation + LCDC + CPA; Powder's
+distillation term kept"): Powder's per-(client, task) blocks of N = `components_per_stage` components, its
+task-correlation prompt generation and owner aggregation, its not-true distillation (`ntd_weight` 1, Powder's
+code) and its signature exchange at round 0 (`methods.powder`), with LCDC and CPA on top: the compensation prompts
+and the histogram as below (H over the N components of the client's own block, α from its own keys and attention
+vectors [I]), CPA mixing the K participants' own blocks (K·N rows per layer), each mixed block stored as its
+task's block. `base: powder, lcdc: false, cpa: false` is `powder` with C2Prompt's prompt shape and optimiser
+(`tests/test_c2prompt_powder.py` checks the logs are identical); `lcdc` / `cpa` alone give the paper's ablation
+rows "Powder + LCDC" / "Powder + CPA". The default stays `codap` so no existing result silently changes; the
+paper's reading is `base: powder` (`configs/papers/c2prompt/`).
+
+Model (`base: codap`): CODA-P discriminative prompts (`prompts.codap.CodaPool`; N = 8 components of length 10
+per stage in layers 0–4, α_m = cos(q(x) ⊙ A_m, K_m) with q(x) the unprompted frozen CLS, the stage's block
+trainable and earlier blocks frozen) + a linear head over the per-(client, task) slots. Per stage t, for every
+participant k:
 
 Round 0 (`lcdc`, §4.2 Eq. 1–4):
 1. Client: per real class i of its current task, (n_{i,k}, μ_{i,k}, σ²_{i,k}) of q(x) on its data.
@@ -14,14 +28,23 @@ Round 0 (`lcdc`, §4.2 Eq. 1–4):
    σ²_{i,k}) − μ^g_i², p_{k,i} = n_{i,k}/Σ_k n_{i,k} (`statistics.pooled`: the same identity with unbiased
    variances, i.e. exactly the pooled data's statistics); each client receives its classes' (μ^g, σ^g²).
 3. Client: fresh compensation prompts (one per class, 3 input tokens after the patches) trained to minimise the
-   diagonal-Gaussian NLL of the compensated feature (`training.compensation`), then frozen (client state).
+   diagonal-Gaussian NLL of the compensated feature (`training.compensation`), then frozen (client state). The
+   round logs, averaged over clients on `lcdc_diagnostic_samples` samples each, the NLL under the global Gaussians
+   of the unprompted q(x) (`lcdc_nll_unprompted`: what LCDC must beat), and of the compensated feature with the
+   freshly initialised (`lcdc_nll_before`) and the trained prompts (`lcdc_nll_after`).
 Rounds 1..N_r (§4.3): CE over the task's own slots (+ β·L_kd, below) with the label's frozen compensation prompt
 appended to each sample with probability p = 0.5; the client accumulates H_k[l, m, c] = Σ_{x of real class c}
 α^{(l)}_m(x) over the stage's N components of every prompted layer l. No compensation prompt at test time.
 Server CPA (§4.4 Eq. 10): per layer, stack the K·N stage components P and histograms H of all participants,
 W = row-softmax(H Hᵀ / τ), P* = W P; client k receives its own N rows of P* (a client-specific downlink); keys
 and attention vectors are mixed with the same W (our inference). Head rows are per-(client, task) slots, each
-taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model.
+taken from the client that owns it (`federation.aggregation.owner_row_mean`). Evaluation uses each client's model
+(metrics.json `scored_model: client`; Fed-CODAP is scored on the global model).
+
+Benchmark switch (Powder's code vs the stated intent): `scenario.asynchronous.slice_rule` → `powder` (default, the
+benchmark C2Prompt declares: slice (k·T + j) mod 5, so a class repeated at the same position of two clients'
+sequences is trained on the same images) | `distinct` (every repeat of a class sees new images; see
+`scenario.asynchronous`).
 
 Choices where the sources are silent (switch → default):
 - `lcdc_round`: "shared" (round 0 = statistics + LCDC, then discriminative training in the same round) | "extra"
@@ -38,7 +61,8 @@ Choices where the sources are silent (switch → default):
   guess) | "none"; τ = `cpa_temperature` 0.2 (studied in the paper, value not given).
 - L_kd (`kd_weight` β, default 0: the CODA-P base specifies no distillation and Powder's β is not given): LwF-style
   KL (temperature `kd_temperature`) between the current and the received model's logits over the slots of the
-  client's earlier tasks.
+  client's earlier tasks. With `base: powder`, Powder's own distillation term (not-true distillation, `ntd_weight`
+  1 as in Powder's code, 0 turns it off) is added as well — the note's "Powder's distillation term kept".
 - The global model (for `eval.model: global`) is the sample-weighted mean of the clients' prompts.
 Ablations: `lcdc: false` (no statistics round, no compensation), `cpa: false` (FedAvg of prompts, keys and
 attention vectors = Fed-CODAP); both off equals `fedcodap` with the same settings.
@@ -60,12 +84,16 @@ from torch import nn
 from promptfcl.federation.aggregation import class_affinity_weights, mix_rows, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, set_task
+from promptfcl.federation.validation import ReplySchema, TensorSpec
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, round_loss, set_task
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
+from promptfcl.methods.powder import PowderClient, PowderKnobs, PowderServer, powder_model
 from promptfcl.methods.registry import register_method
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts import CodaPool
+from promptfcl.prompts.codap import attention_weights
 from promptfcl.prompts.compensation import CompensationPrompts
+from promptfcl.prompts.generated import PARTS
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
@@ -73,6 +101,7 @@ from promptfcl.training.compensation import train_compensation
 from promptfcl.training.local import LossFn
 
 POOL_TENSORS = ("prompt.prompts", "prompt.keys", "prompt.attention")
+LCDC_METRICS = ("lcdc_nll_unprompted", "lcdc_nll_before", "lcdc_nll_after")
 
 
 class StageCodaParams(PoolTrainingParams):
@@ -85,9 +114,12 @@ class StageCodaParams(PoolTrainingParams):
     lr: float = Field(0.01, gt=0, description="C2Prompt note: Adam 0.01 (Powder's scripts: 0.005)")
 
 
-class C2PromptParams(StageCodaParams):
-    """LCDC, CPA and their ablation switches (choices the sources leave open are documented in the module)."""
+class C2PromptParams(PowderKnobs, StageCodaParams):
+    """LCDC, CPA, their ablation switches and the base (choices the sources leave open are in the module)."""
 
+    base: Literal["codap", "powder"] = Field(
+        "codap", description="codap: CODA-P stage prompts per client | powder: Powder's pipeline (the paper's base)"
+    )
     lcdc: bool = True
     cpa: bool = True
     lcdc_round: Literal["shared", "extra"] = "shared"
@@ -97,7 +129,10 @@ class C2PromptParams(StageCodaParams):
     lcdc_lr: float = Field(0.01, gt=0)
     variance_eps: float = Field(1e-4, gt=0)
     lcdc_diagnostic_samples: int | None = Field(
-        64, ge=0, description="samples on which the NLL before/after LCDC is logged (None: all, 0: none)"
+        64,
+        ge=0,
+        description="samples on which the NLL of q(x) and of the compensated feature before/after LCDC is logged "
+        "(None: all, 0: none)",
     )
     cpa_temperature: float = Field(0.2, gt=0)
     histogram_norm: Literal["centered_l2", "l2", "l1", "none"] = "centered_l2"
@@ -106,6 +141,8 @@ class C2PromptParams(StageCodaParams):
 
 
 def build_model(env: MethodEnv, p: StageCodaParams) -> PromptedClassifier:
+    if getattr(p, "base", "codap") == "powder":
+        return powder_model(env, p, p.components_per_stage, p.length, p.layers, p.top_k)  # type: ignore[attr-defined]
     n = env.num_stages
     pool = CodaPool(env.backbone.embed_dim, n, p.layers, p.components_per_stage * n, p.length, p.ortho_mu)
     return pooled_model(env, p, pool)
@@ -117,10 +154,72 @@ def stage_block(model: PromptedClassifier) -> tuple[int, int]:
     return pool.task * pool.per_task, (pool.task + 1) * pool.per_task
 
 
+# ------------------------------------------------------------------------------- LCDC and CPA, base-independent
+def lcdc_gaussians(grid: Grid, env: MethodEnv, info: RoundInfo) -> dict[int, dict[str, torch.Tensor]]:
+    """Round 0: the participants' q(x) statistics go up; each gets the moment-matched Gaussians of its classes."""
+    extra: dict[int, dict[str, torch.Tensor]] = {k: {} for k in info.participants}
+    stats = uploaded_statistics(grid.broadcast(info.participants, Message(kind="stats")))
+    if not stats:
+        return extra
+    glob = pooled(stats)
+    pos = {c: i for i, c in enumerate(glob.classes.tolist())}
+    for k in info.participants:
+        mine = [c for c in env.label_space.tasks[env.label_task(info.task, k)].classes if c in pos]
+        rows = torch.tensor([pos[c] for c in mine], dtype=torch.long)
+        extra[k] = {
+            "lcdc/classes": torch.tensor(mine, dtype=torch.long),
+            "lcdc/mean": glob.means[rows],
+            "lcdc/var": glob.spread[rows],  # type: ignore[index]
+        }
+    return extra
+
+
+def lcdc_metrics(replies: dict[int, Message]) -> dict[str, float]:
+    """The clients' mean LCDC NLLs (q(x), fresh prompts, trained prompts) where the round logged them."""
+    out = {}
+    for key in LCDC_METRICS:
+        vals = [r.scalars[key] for r in replies.values() if key in r.scalars]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
+def cpa_mix(
+    blocks: list[dict[str, torch.Tensor]], hist: torch.Tensor, temperature: float, norm: str
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+    """CPA: per layer, W = row-softmax(H Hᵀ/τ) over the K·N components of the K clients' blocks (each tensor
+    (layers, N, …)); client k gets its N rows of W·P. Also how W mixes (means over rows and layers):
+    `cpa_self_weight` (W's diagonal), `cpa_own_client_weight` (the share from the client's own N components; FedAvg
+    gives 1/K) and `cpa_weight_entropy` (row entropy over log(K·N): 1 = uniform, 0 = no mixing)."""
+    n = hist.shape[2]  # hist: (K, layers, N, classes)
+    out = [{name: t.clone() for name, t in b.items()} for b in blocks]
+    own = torch.block_diag(*[torch.ones(n, n, dtype=torch.float64)] * len(blocks))
+    diag: dict[str, list[float]] = {"cpa_self_weight": [], "cpa_own_client_weight": [], "cpa_weight_entropy": []}
+    for layer in range(hist.shape[1]):
+        W = class_affinity_weights(hist[:, layer], temperature, norm)
+        entropy = -(W * W.clamp_min(1e-300).log()).sum(1) / max(math.log(W.shape[0]), 1e-12)
+        diag["cpa_self_weight"].append(W.diagonal().mean().item())
+        diag["cpa_own_client_weight"].append((W * own).sum(1).mean().item())
+        diag["cpa_weight_entropy"].append(entropy.mean().item())
+        for name in blocks[0]:
+            mixed = mix_rows(W, torch.cat([b[name][layer] for b in blocks]))
+            for k in range(len(blocks)):
+                out[k][name][layer] = mixed[k * n : (k + 1) * n]
+    return out, {key: sum(v) / len(v) for key, v in diag.items()}
+
+
+# ------------------------------------------------------------------------------------------- clients
 class C2PromptClient(SupervisedClient):
-    """Statistics of q(x) (round 0), LCDC, discriminative training with compensation and the CPA histogram."""
+    """Statistics of q(x) (round 0), LCDC, discriminative training with compensation and the CPA histogram.
+
+    `base: powder` builds `C2PromptPowderClient` (the same LCDC and histogram on Powder's generated prompt)."""
 
     message_kinds = ("train", "stats")
+
+    def __new__(cls, env: MethodEnv, params: C2PromptParams, build_model=None):  # noqa: ANN001, ANN204
+        if cls is C2PromptClient and getattr(params, "base", "codap") == "powder":
+            cls = C2PromptPowderClient
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -139,7 +238,7 @@ class C2PromptClient(SupervisedClient):
         if not message.scalars.get("discriminative", True):
             return Message({}, {"num_samples": 0, "loss": 0.0, **stats}, kind="train_reply")
         self._teacher = copy.deepcopy(model).eval() if self.params.kd_weight > 0 else None
-        self._hist = torch.zeros(len(model.prompt.layers), model.prompt.per_task, self.env.label_space.num_real_classes)
+        self._hist = torch.zeros(*self.histogram_shape(model), self.env.label_space.num_real_classes)
         stats.update(self.train(model, ctx, message))
         reply = self.reply(model, ctx, stats)
         reply.tensors["cpa/hist"] = self._hist
@@ -178,6 +277,10 @@ class C2PromptClient(SupervisedClient):
         return out
 
     # ------------------------------------------------------------------------------- rounds 1..N_r
+    def extra_terms(self, message: Message, ctx: ClientContext) -> list:
+        """The base's own loss terms, (x, y, logits) → loss (CODA-P: none; Powder: its distillation)."""
+        return []
+
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p, space, backbone = self.params, self.env.label_space, self.env.backbone
         comp = None
@@ -189,6 +292,7 @@ class C2PromptClient(SupervisedClient):
         coin = torch_generator(ctx.seed, "compensation")
         old = [g for g in self.learned_tasks(ctx) if g != ctx.label_task]
         old_mask = space.mask([j for g in old for j in space.tasks[g].logits]).to(ctx.device) if old else None
+        terms = self.extra_terms(message, ctx)
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             q = backbone.query(x)
@@ -214,19 +318,28 @@ class C2PromptClient(SupervisedClient):
                 s_log = F.log_softmax(masked_logits(logits, old_mask) / T, dim=1)[:, old_mask]
                 t_prob = F.softmax(masked_logits(t_logits, old_mask) / T, dim=1)[:, old_mask]
                 total = total + p.kd_weight * T * T * F.kl_div(s_log, t_prob, reduction="batchmean")
+            for term in terms:
+                total = total + term(x, y, logits)
             self.accumulate(model, q, real_of[y])
             return total
 
         return loss
 
+    def histogram_shape(self, model: PromptedClassifier) -> tuple[int, int]:
+        """(prompted layers, components) of the histogram: the current stage's block."""
+        pool: CodaPool = model.prompt  # type: ignore[assignment]
+        return len(pool.layers), pool.per_task
+
+    def component_weights(self, model: PromptedClassifier, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """α (B, N) of the components the histogram counts: the stage block's."""
+        s, f = stage_block(model)
+        return model.prompt.component_weights(q, layer)[:, s:f]  # type: ignore[operator]
+
     @torch.no_grad()
     def accumulate(self, model: PromptedClassifier, q: torch.Tensor, real: torch.Tensor) -> None:
-        """H[l, m, c] += Σ α^{(l)}_m(x) over the batch's samples of real class c (stage components only)."""
-        pool: CodaPool = model.prompt  # type: ignore[assignment]
-        s, f = stage_block(model)
-        for i in range(len(pool.layers)):
-            alpha = pool.component_weights(q, i)[:, s:f].cpu()
-            self._hist[i].index_add_(1, real.cpu(), alpha.T)
+        """H[l, m, c] += Σ α^{(l)}_m(x) over the batch's samples of real class c (the histogram's components)."""
+        for i in range(self._hist.shape[0]):
+            self._hist[i].index_add_(1, real.cpu(), self.component_weights(model, q, i).cpu().T)
 
     def learned_tasks(self, ctx: ClientContext) -> list[int]:
         """Label-space tasks this client has trained, in order (kept in its state)."""
@@ -237,14 +350,46 @@ class C2PromptClient(SupervisedClient):
         return learned
 
 
+class C2PromptPowderClient(C2PromptClient, PowderClient):
+    """C2Prompt on Powder's base: Powder's signature and distillation, LCDC and the histogram of the own block."""
+
+    message_kinds = ("train", "stats", "signature")
+
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        if message.kind == "signature":
+            return self.signature(message, ctx)
+        return C2PromptClient.handle(self, message, ctx)
+
+    def extra_terms(self, message: Message, ctx: ClientContext) -> list:
+        ntd = self.ntd_term(message, ctx)
+        return [] if ntd is None else [ntd]
+
+    def histogram_shape(self, model: PromptedClassifier) -> tuple[int, int]:
+        own = model.prompt.own_keys  # type: ignore[union-attr]
+        return own.shape[0], own.shape[1]
+
+    def component_weights(self, model: PromptedClassifier, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """α (B, N) of the client's own block (its own keys and attention vectors) [I]."""
+        pr = model.prompt
+        return attention_weights(q, pr.own_keys[layer], pr.own_attention[layer])  # type: ignore[index]
+
+
+# ------------------------------------------------------------------------------------------- servers
 class C2PromptServer(FedAvgServer):
-    """Moment-matched class Gaussians at round 0; CPA (or FedAvg) of the stage's components per client."""
+    """Moment-matched class Gaussians at round 0; CPA (or FedAvg) of the stage's components per client.
+
+    `base: powder` builds `C2PromptPowderServer` instead (Powder's task pool, generation and aggregation)."""
+
+    def __new__(cls, env: MethodEnv, params: C2PromptParams, build_model=None):  # noqa: ANN001, ANN204
+        if cls is C2PromptServer and getattr(params, "base", "codap") == "powder":
+            return C2PromptPowderServer(env, params, build_model)
+        return super().__new__(cls)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # client → its pool (created from the global one)
         self._eval_models: dict[int, PromptedClassifier] = {}
-        self.cpa_diagnostics: dict[str, float] = {}  # how the last CPA mixed (see `class_aware`)
+        self.cpa_diagnostics: dict[str, float] = {}  # how the last CPA mixed (see `cpa_mix`)
 
     def begin_task(self, task: int) -> None:
         super().begin_task(task)  # the global pool draws the stage's block (once)
@@ -262,24 +407,13 @@ class C2PromptServer(FedAvgServer):
         return {**g, **self.pools[k]}
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        p, space = self.params, self.env.label_space
+        p = self.params
         self.round_info = info
         parts = info.participants
         extra: dict[int, dict[str, torch.Tensor]] = {k: {} for k in parts}
         metrics: dict[str, float] = {}
         if p.lcdc and info.round == 0:
-            stats = uploaded_statistics(grid.broadcast(parts, Message(kind="stats")))
-            if stats:
-                glob = pooled(stats)
-                pos = {c: i for i, c in enumerate(glob.classes.tolist())}
-                for k in parts:
-                    mine = [c for c in space.tasks[self.env.label_task(info.task, k)].classes if c in pos]
-                    rows = torch.tensor([pos[c] for c in mine], dtype=torch.long)
-                    extra[k] = {
-                        "lcdc/classes": torch.tensor(mine, dtype=torch.long),
-                        "lcdc/mean": glob.means[rows],
-                        "lcdc/var": glob.spread[rows],  # type: ignore[index]
-                    }
+            extra = lcdc_gaussians(grid, self.env, info)
         discriminative = not (p.lcdc and info.round == 0 and p.lcdc_round == "extra")
         msgs = {
             k: Message({**self.client_state(k), **extra[k]}, {"discriminative": discriminative}, kind="train")
@@ -287,12 +421,7 @@ class C2PromptServer(FedAvgServer):
         }
         replies = grid.send(msgs)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        for key in ("lcdc_nll_before", "lcdc_nll_after"):
-            vals = [r.scalars[key] for r in replies.values() if key in r.scalars]
-            if vals:
-                metrics[key] = sum(vals) / len(vals)
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics.update(loss=sum(losses) / len(losses) if losses else float("nan"), clients=len(usable))
+        metrics.update({**lcdc_metrics(replies), **round_loss(usable), "clients": len(usable)})
         if usable:
             self.cpa_diagnostics = {}
             self.aggregate(usable)
@@ -320,32 +449,18 @@ class C2PromptServer(FedAvgServer):
     def class_aware(
         self, replies: dict[int, Message], names: list[str]
     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, float]]:
-        """Per layer, W = row-softmax(H Hᵀ/τ) over the K·N stage components; client k gets its rows of W·P.
-
-        Also returns how W mixes (means over rows and layers): `cpa_self_weight` (W's diagonal: the share a
-        component keeps of itself), `cpa_own_client_weight` (the share from its own client's N components; FedAvg
-        gives 1/K) and `cpa_weight_entropy` (row entropy over log(K·N): 1 = uniform mixing, 0 = no mixing).
-        """
+        """CPA over the participants' stage blocks (`cpa_mix`); client k's stage block becomes its mixed rows."""
         p = self.params
         clients = list(replies)
         s, f = stage_block(self.model)
-        n = f - s
         out = {k: {name: replies[k].tensors[name].clone() for name in names} for k in clients}
+        blocks = [{name: replies[k].tensors[name][:, s:f] for name in POOL_TENSORS} for k in clients]
         hist = torch.stack([replies[k].tensors["cpa/hist"] for k in clients])  # (K, layers, N, classes)
-        own = torch.block_diag(*[torch.ones(n, n, dtype=torch.float64)] * len(clients))
-        diag: dict[str, list[float]] = {"cpa_self_weight": [], "cpa_own_client_weight": [], "cpa_weight_entropy": []}
-        for layer in range(hist.shape[1]):
-            W = class_affinity_weights(hist[:, layer], p.cpa_temperature, p.histogram_norm)
-            entropy = -(W * W.clamp_min(1e-300).log()).sum(1) / max(math.log(W.shape[0]), 1e-12)
-            diag["cpa_self_weight"].append(W.diagonal().mean().item())
-            diag["cpa_own_client_weight"].append((W * own).sum(1).mean().item())
-            diag["cpa_weight_entropy"].append(entropy.mean().item())
-            for name in POOL_TENSORS:
-                stacked = torch.cat([replies[k].tensors[name][layer, s:f] for k in clients])
-                mixed = mix_rows(W, stacked)
-                for i, k in enumerate(clients):
-                    out[k][name][layer, s:f] = mixed[i * n : (i + 1) * n]
-        return out, {key: sum(v) / len(v) for key, v in diag.items()}
+        mixed, diagnostics = cpa_mix(blocks, hist, p.cpa_temperature, p.histogram_norm)
+        for k, block in zip(clients, mixed, strict=True):
+            for name, t in block.items():
+                out[k][name][:, s:f] = t
+        return out, diagnostics
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         if client not in self._eval_models:
@@ -370,6 +485,45 @@ class C2PromptServer(FedAvgServer):
             if n.startswith("client"):
                 k, name = n[len("client") :].split("/", 1)
                 self.pools.setdefault(int(k), {})[name] = t
+
+
+class C2PromptPowderServer(PowderServer):
+    """C2Prompt on Powder's base: LCDC's Gaussians at round 0; CPA mixes the participants' own blocks before each
+    mixed block replaces its task's block (`cpa: false`: Powder's owner aggregation)."""
+
+    def round_extras(
+        self, grid: Grid, info: RoundInfo, labels: dict[int, int], metrics: dict[str, float]
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
+        p = self.params
+        extra = lcdc_gaussians(grid, self.env, info) if p.lcdc and info.round == 0 else {}
+        return extra, {"discriminative": not (p.lcdc and info.round == 0 and p.lcdc_round == "extra")}
+
+    def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        return lcdc_metrics(replies)
+
+    def absorb(self, replies: dict[int, Message], labels: dict[int, int]) -> dict[str, float]:
+        p = self.params
+        if not p.cpa:
+            return super().absorb(replies, labels)
+        clients = list(replies)
+        blocks = [{part: replies[k].tensors[f"prompt.own_{part}"] for part in PARTS} for k in clients]
+        hist = torch.stack([replies[k].tensors["cpa/hist"] for k in clients])
+        mixed, diagnostics = cpa_mix(blocks, hist, p.cpa_temperature, p.histogram_norm)
+        self.store_blocks({labels[k]: block for k, block in zip(clients, mixed, strict=True)})
+        previous = self.model.get_state()
+        weights = [r.scalars["num_samples"] for r in replies.values()] if p.weighting == "samples" else None
+        self.model.set_state({**previous, **self.owned_head(previous, replies, weights)})
+        return diagnostics
+
+    def reply_schema(self, message: Message) -> ReplySchema | None:
+        if message.kind == "train" and not message.scalars.get("discriminative", True):
+            return ReplySchema(scalars={"num_samples": (int,)})  # an LCDC-only round uploads no parameters
+        return super().reply_schema(message)
+
+    def reply_tensors(self) -> dict[str, TensorSpec]:
+        own = self.model.prompt.own_keys  # type: ignore[union-attr]
+        shape = (own.shape[0], own.shape[1], self.env.label_space.num_real_classes)
+        return {"cpa/hist": TensorSpec(shape, torch.float32)}
 
 
 class DirectClient(SupervisedClient):
@@ -399,8 +553,8 @@ class DirectServer(FedAvgServer):
         for k, r in replies.items():
             if r.scalars.get("num_samples", 0) > 0:
                 self.tasks[label[k]] = {n: r.tensors[n] for n in names}
-        losses = [r.scalars["loss"] for r in replies.values() if r.scalars.get("num_samples", 0) > 0]
-        return {"loss": sum(losses) / len(losses) if losses else float("nan"), "clients": len(replies)}
+        trained = {k: r for k, r in replies.items() if r.scalars.get("num_samples", 0) > 0}
+        return {**round_loss(trained), "clients": len(replies)}
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         g = -1 if label_task is None else label_task
@@ -433,7 +587,8 @@ register_method(
     C2PromptServer,
     C2PromptClient,
     build_model,
-    "CODA-P prompts with LCDC compensation prompts and class-aware (per-client) prompt aggregation",
+    "CODA-P (or, base: powder, Powder's) prompts with LCDC compensation prompts and class-aware (per-client) "
+    "prompt aggregation",
     "C2Prompt (arXiv 2509.19674)",
 )
 register_method(

@@ -17,18 +17,23 @@ Choices (switch → default):
   are sampled through their eigendecomposition.
 - `calibration.logit_norm_temperature`: None (paper: plain CE) | 0.1 (fed-mammoth) → paper.
 - `class_weights`: "uniform" (paper: the same number of virtual features per class) | "counts" → paper.
-- Backbone: the paper fine-tunes a full network; here the backbone is frozen. `length: 0` (default) trains the
-  linear head only; `length > 0` puts CCVR on top of `fedavg_prompt`'s prefix prompt.
+- Backbone: `backbone_training: frozen` (default; the frozen-backbone setting of the prompt papers): `length: 0`
+  trains the linear head only, `length > 0` puts CCVR on top of `fedavg_prompt`'s prefix prompt. `full`: the
+  paper's (and fed-mammoth's, as HGP's table runs it) full fine-tuning of the ViT (`fedavg_ft`'s
+  `FineTunedClassifier`; a hybrid backbone's CNN stem stays frozen), statistics of the fine-tuned features.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from torch import nn
 
+from promptfcl.federation.protocol import MethodEnv
 from promptfcl.methods.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
-from promptfcl.methods.fedavg_prompt import build_model
+from promptfcl.methods.fedavg_ft import FineTunedClassifier
+from promptfcl.methods.fedavg_prompt import build_model as prompt_model
 from promptfcl.methods.registry import register_method
 from promptfcl.statistics.mixture import ClassWeights
 from promptfcl.training.head_calibration import CalibrationParams
@@ -38,10 +43,26 @@ class CCVRParams(ClassGaussianParams):
     """CCVR defaults: pooled full-covariance Gaussians, equal draws per class, plain CE calibration."""
 
     length: int = Field(0, ge=0, description="0: frozen backbone + head; > 0: on top of fedavg_prompt's prefix")
+    backbone_training: Literal["frozen", "full"] = Field(
+        "frozen", description="full: fine-tune the whole ViT (the paper's setting; set a fine-tuning lr, e.g. 1e-5)"
+    )
+
+    @model_validator(mode="after")
+    def _full_has_no_prompt(self) -> CCVRParams:
+        if self.backbone_training == "full" and self.length:
+            raise ValueError("backbone_training: full fine-tunes the ViT itself; set length: 0 (no prompt)")
+        return self
+
     covariance: Literal["diag", "full"] = "full"
     components: Literal["per_client", "pooled"] = "pooled"
     class_weights: ClassWeights = "uniform"
     calibration: CalibrationParams = Field(default_factory=lambda: CalibrationParams(logit_norm_temperature=None))
+
+
+def build_model(env: MethodEnv, p: CCVRParams) -> nn.Module:
+    if p.backbone_training == "full":
+        return FineTunedClassifier(env.backbone, env.label_space.num_logits)
+    return prompt_model(env, p)
 
 
 register_method(

@@ -123,13 +123,21 @@ class ClassGaussianServer(FedAvgServer):
     def calibration_params(self) -> CalibrationParams:
         return self.params.calibration
 
+    def variance_scale(self) -> float:
+        """The multiplier applied to the stored spreads before sampling."""
+        return self.params.variance_scale
+
+    def sampler(self, classes: torch.Tensor) -> MixtureSampler:
+        """The hierarchical sampler over the stored components of `classes`."""
+        p = self.params
+        return MixtureSampler(self.components, classes, p.class_weights, self.variance_scale(), p.variance_eps)
+
     def rebalance(self, task: int, gen: torch.Generator) -> dict[str, float]:
         """Retrain the head on sampled features of the chosen classes (no-op when there are none)."""
         classes, logits = self.rebalance_classes(task)
         if len(classes) == 0:
             return {}
-        p = self.params
-        sampler = MixtureSampler(self.components, classes, p.class_weights, p.variance_scale, p.variance_eps)
+        sampler = self.sampler(classes)
         return calibrate_head(self.model.head, sampler, logits, self.calibration_params(), gen, self.env.device)
 
     def state(self) -> Record:

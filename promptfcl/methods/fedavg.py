@@ -21,7 +21,7 @@ from promptfcl.federation.aggregation import (
     update_norms,
 )
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, RoundInfo, ServerProgram
+from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
 from promptfcl.federation.validation import ReplySchema, TensorSpec
 from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
@@ -34,6 +34,11 @@ from promptfcl.training.local import (
     restore_optimizer,
     train_local,
 )
+
+
+def personal_tasks(env: MethodEnv) -> list[list[list[int]]] | None:
+    """[client][task] → real classes, in a personalized scenario (every client its own task sequence); else None."""
+    return env.extras.get("client_tasks")
 
 
 def set_task(model: torch.nn.Module, task: int) -> None:
@@ -62,6 +67,11 @@ class FedAvgParams(LocalTrainingParams):
 
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights ∝ samples or equal")
     aggregation: AggregationParams = Field(default_factory=AggregationParams)
+    personal_head: Literal["owners", "uniform"] = Field(
+        "owners",
+        description="personalized scenarios: each head row averaged over the clients whose current task holds its "
+        "class (owners) or over every client (uniform: FedMGP's official fed_avg_head)",
+    )
 
 
 class SupervisedClient(ClientProgram):
@@ -192,16 +202,23 @@ class FedAvgServer(ServerProgram):
 
     def folds_replies(self) -> bool:
         """Whether this round averages the model tensors as replies arrive, keeping running sums instead of every
-        client's tensors (memory flat in the number of clients): plain mean, no update screening, no per-slot
-        head rows (asynchronous scenarios), the shared `aggregate`, and no `after_aggregate` that reads them."""
+        client's tensors (memory flat in the number of clients): plain mean, no update screening, no per-owner
+        head rows (`owns_head_rows`), the shared `aggregate`, and no `after_aggregate` that reads them."""
         a = self.params.aggregation
         return (
             a.rule == "mean"
             and a.max_update_norm is None
             and a.norm_outlier_factor is None
-            and self.env.schedule is None
+            and not self.owns_head_rows()
             and type(self).aggregate is FedAvgServer.aggregate
             and not self.needs_client_models
+        )
+
+    def owns_head_rows(self) -> bool:
+        """Whether each head row is averaged over the clients that train it (asynchronous slots; personalized
+        tasks with `personal_head: owners`) rather than over every client."""
+        return self.env.schedule is not None or (
+            personal_tasks(self.env) is not None and self.params.personal_head == "owners"
         )
 
     def _fold(self, client: int, reply: Message) -> Message:
@@ -269,16 +286,26 @@ class FedAvgServer(ServerProgram):
         else:
             states = [{k: r.tensors[k] for k in names} for r in replies.values()]
             mean = aggregate_states(states, weights, a.rule, a.trim_fraction)
-        if self.env.schedule is not None:  # per-(client, task) slots: each head row from the clients that own it
-            mean.update(self.owned_head(previous, replies, weights))
+        if self.owns_head_rows():
+            mean.update(self.owned_head(previous, replies, weights))  # each head row from the clients that train it
         self.model.set_state(mean)
+
+    def owned_rows(self, client: int) -> list[int]:
+        """The head rows `client` trains this round: the logits of its current label-space task (asynchronous:
+        its own (client, task) slots; personalized: its own task's classes; otherwise the round's task)."""
+        stage, space = self.round_info.task, self.env.label_space
+        tasks = personal_tasks(self.env)
+        if tasks is not None:
+            return [int(space.class_to_logit[c]) for c in tasks[client][stage]]
+        return list(space.tasks[self.env.label_task(stage, client)].logits)
 
     def owned_head(
         self, previous: dict[str, torch.Tensor], replies: dict[int, Message], weights: list[float] | None
     ) -> dict[str, torch.Tensor]:
-        """Head rows averaged over the clients whose current label-space task owns them (asynchronous only)."""
-        stage, space = self.round_info.task, self.env.label_space
-        rows = [space.tasks[self.env.label_task(stage, c)].logits for c in replies]
+        """Head rows averaged over the clients that train them this round (`owned_rows`); rows nobody trains keep
+        their previous value. Uniform FedAvg would average a row one client trains with the others' untouched
+        copies, shrinking its update by the number of clients every round."""
+        rows = [self.owned_rows(c) for c in replies]
         return {
             k: owner_row_mean(previous[k], [r.tensors[k] for r in replies.values()], rows, weights)
             for k in previous

@@ -21,8 +21,10 @@ only train-split images). The fused pool is broadcast to every client for the ne
 Local prompts and heads never leave the client and live only in `ctx.state` (no shared model object).
 Evaluation: the `client_local` regime (fused global prompts + the client's local prompts + the local head of
 the evaluated task, logits masked to that task's classes). Each evaluation also reports `diag/local_key_hit`,
-the % of a client's current-task local test images whose test-time local prompt is their own class's (the one
-training used): the first thing to look at when FedMGP trails FedL2P.
+the % of a client's current-task local test images whose own class's local prompt (the one training used) is
+among those selected at test time, and `diag/local_key_chance`, the % a uniformly random choice would hit
+(100·min(k, C)/C: k = `local_top_k` prompts among the C candidate class prompts of `local_select`): a hit rate
+near chance means the local keys do not route test images, the first thing to look at when FedMGP trails FedL2P.
 
 Paper vs official code (SkyOfBeginning/FedMGP @ fca3643) — paper defaults, code behind switches:
 - pool 10 / length 10 / lr 1e-3 / λ 0.1 (paper, CIFAR-100 config) vs pool 20, top-4, lr 1.5e-3, λ 0.5 (the
@@ -44,6 +46,22 @@ Paper vs official code (SkyOfBeginning/FedMGP @ fca3643) — paper defaults, cod
 Ablations (paper §5.3): `global_prompt: false` (w/o global prompt), `local_prompt: false` (w/o local prompt;
 the client is tested with global prompts + its H_g), `fusion: fedavg` (uniform average instead of distillation,
 the code's `fed_avg`).
+- w/o global prompt — what is still shared. The paper removes the global prompts and says no more (§5.3, Fig. 3);
+  the official code has no such switch. Our reading: the local prompts and their keys become the shared prompts.
+  Each client uploads its local pool (and its current classes); the server averages each class's prompt and key
+  over the clients whose current task holds the class (`owner_row_mean`, uniform as the code's `fed_avg`; rows
+  nobody trained keep their value) and broadcasts the pool, which the client trains from and is tested with;
+  per-task local heads stay personal (heads never travel in FedMGP). Without global prompts there is no phase 1
+  and no H_g, the local query is the unprompted V(x), and heads read CLS (there are no prompt tokens). Why this
+  reading: Table 1 reports w/o GP as "the aggregated global model" and Fig. 3(a) gives it its own spatial
+  retention KR_s (global over local model), which needs shared parameters inside the evaluated model; the local
+  prompts are the only prompts left; and §4 argues that aggregating fine-grained knowledge is what causes spatial
+  forgetting, which this ablation then measures. SPF distillation (Eq. 11) is defined for input-token prompts
+  chosen by key, not class-indexed prefixes, so `fusion` does not apply here.
+- `local_only: true` — a control, not a paper row: no tensor is uploaded or broadcast, each client trains
+  its prompts and heads alone (with `global_prompt: true` its global prompts are never fused), so KR_s is 100 by
+  construction. Before issue 17 this was what `global_prompt: false` ran; `global_prompt: false` +
+  `local_only: true` reproduces it.
 
 Deviations (all methods.md §3.9 bugs not reproduced): every client builds its own model from its own state (no
 shared ViT object, so a new task's local head is fresh, not the previous client's); the local test split uses the
@@ -72,17 +90,21 @@ from pydantic import Field, model_validator
 from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
-from promptfcl.federation.aggregation import weighted_mean
+from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.methods.fedavg import round_loss
 from promptfcl.methods.fedavg_prompt import check_layers
 from promptfcl.methods.fedmgp_model import (
     GLOBAL_HEAD,
     GLOBAL_POOL,
+    LOCAL_POOL,
     HeadKind,
     MGPModel,
     Readout,
     distill_pool,
+    key_chance,
+    key_hits,
     subset_state,
 )
 from promptfcl.methods.registry import register_method
@@ -124,9 +146,10 @@ class FedMGPParams(LocalTrainingParams):
     fusion_epochs: int = Field(5, gt=0)
     filter_threshold: float | None = Field(None, ge=0, lt=1, description="drop clients with proxy accuracy ≤ this")
     return_fused_head: bool = False
-    # ablations
-    global_prompt: bool = True
+    # ablations and controls
+    global_prompt: bool = Field(True, description="false: §5.3 w/o global prompt (the local prompts are shared)")
     local_prompt: bool = True
+    local_only: bool = Field(False, description="control, not a paper row: nothing is communicated")
     query_cache: bool = Field(
         False, description="cache q(x) and phase 2's V(x') per exact input (use with augment: none or flip)"
     )
@@ -137,15 +160,25 @@ class FedMGPParams(LocalTrainingParams):
             raise ValueError("FedMGP makes a fresh optimizer for each phase of each round: remove optimizer_reset")
         if self.train_logits != "current_task":
             raise ValueError("FedMGP trains on the current task's classes only (Eq. 6, 10): remove train_logits")
+        if not (self.global_prompt or self.local_prompt):
+            raise ValueError("FedMGP without global and local prompts is FedViT; keep one of them")
+        if self.uploads_head() and (self.local_only or not self.global_prompt):
+            why = "local_only sends nothing" if self.local_only else "without global prompts there is no H_g"
+            raise ValueError(f"{why}: remove filter_threshold / return_fused_head")
         return self
 
     def uploads_head(self) -> bool:
         return self.filter_threshold is not None or self.return_fused_head
 
+    def shared(self) -> tuple[str, ...]:
+        """State prefixes that travel: the global pool; the local pool in the w/o-global ablation; none when
+        `local_only`. Everything else lives only in the client's state."""
+        if self.local_only:
+            return ()
+        return (GLOBAL_POOL,) if self.global_prompt else (LOCAL_POOL,)
+
 
 def build_model(env: MethodEnv, p: FedMGPParams) -> MGPModel:
-    if not (p.global_prompt or p.local_prompt):
-        raise ValueError("FedMGP without global and local prompts is FedViT; keep one of them")
     check_layers(env, p.local_layers)
     env.backbone.enable_query_cache(p.query_cache)
     d, space = env.backbone.embed_dim, env.label_space
@@ -178,9 +211,10 @@ class FedMGPClient(ClientProgram):
     def _model(self, message: Message, ctx: ClientContext) -> MGPModel:
         """This client's model: shared tensors from the message, personal ones from its own state."""
         model: MGPModel = self.new_model()  # fresh per message: nothing is shared between clients
-        own = {k: v for k, v in ctx.state.tensors.items() if not k.startswith(GLOBAL_POOL)}
+        shared = self.params.shared()
+        own = {k: v for k, v in ctx.state.tensors.items() if not k.startswith(shared)}
         model.load_state_dict(own, strict=False)
-        sent = {k: v for k, v in message.tensors.items() if k.startswith(GLOBAL_POOL)}
+        sent = {k: v for k, v in message.tensors.items() if k.startswith(shared)}
         sent.update({GLOBAL_HEAD + k[len("fused_head.") :]: v for k, v in message.tensors.items()
                      if k.startswith("fused_head.")})  # fmt: skip
         model.load_state_dict(sent, strict=False)
@@ -189,18 +223,23 @@ class FedMGPClient(ClientProgram):
         model.vx_cache = self.vx_cache
         return model.to(ctx.device)
 
+    def local_candidates(self, ctx: ClientContext, task: int) -> torch.Tensor | None:
+        """Bool mask of the local prompts a test image of `task` may select (`local_select`); None: every one."""
+        space = ctx.space(self.env)
+        if self.params.local_select == "task":
+            return space.mask(space.tasks[task].logits)
+        if self.params.local_select == "seen":
+            return space.seen_mask(max(task, ctx.task))
+        return None
+
     def predict(self, model: MGPModel, ctx: ClientContext) -> Predict:
-        p, space = self.params, ctx.space(self.env)
+        """Evaluating task t: the local prompts chosen by key among `local_candidates` + the local head of t."""
+        p = self.params
         if model.local_pool is None:
             return lambda x, task: model(x)
 
         def local(x: torch.Tensor, task: int) -> torch.Tensor:
-            if p.local_select == "task":
-                allowed = space.mask(space.tasks[task].logits)
-            elif p.local_select == "seen":
-                allowed = space.seen_mask(max(task, ctx.task))
-            else:
-                allowed = None
+            allowed = self.local_candidates(ctx, task)
             return model.local_logits(x, task, None, allowed, p.local_top_k, p.local_batchwise)
 
         return local
@@ -211,11 +250,12 @@ class FedMGPClient(ClientProgram):
         model = self._model(message, ctx)
         model.eval()
         if message.kind == "evaluate":
-            return evaluate_reply(self.predict(model, ctx), ctx, self.env, message, self.diagnostics(model, ctx))
+            batch = int(message.scalars.get("batch_size", 256))
+            return evaluate_reply(self.predict(model, ctx), ctx, self.env, message, self.diagnostics(model, ctx, batch))
         p, space = self.params, ctx.space(self.env)
         mask = space.train_mask(ctx.task, "current_task")
         tf = self.env.train_transform(p.augment)
-        losses = []
+        losses, final = [], {}
         if len(ctx.train_data) and model.global_pool is not None:  # phase 1: coarse global prompts + H_g
             self._trainable(model, ["global_pool", "global_head"])
 
@@ -225,6 +265,7 @@ class FedMGPClient(ClientProgram):
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "global"), ctx.device,
                                 global_loss)  # fmt: skip
             losses.append(stats["loss"])
+            final = stats
         if len(ctx.train_data) and model.local_pool is not None:  # phase 2: fine local prompts, global frozen
             self._trainable(model, ["local_pool", f"local_heads.{ctx.task}."])
             pull = p.local_pull_coef > 0
@@ -236,32 +277,41 @@ class FedMGPClient(ClientProgram):
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "local"), ctx.device,
                                 local_loss)  # fmt: skip
             losses.append(stats["loss"])
+            final = stats  # the phase whose head is evaluated: its final-epoch loss is the validity gate's
         self._trainable(model, [])
         remember_local(self.predict(model, ctx), ctx, self.env, message)
         ctx.state.tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
-                             if not k.startswith(GLOBAL_POOL)}  # fmt: skip
-        upload = subset_state(model, GLOBAL_POOL)
+                             if not k.startswith(p.shared())}  # fmt: skip
+        upload = {k: v for prefix in p.shared() for k, v in subset_state(model, prefix).items()}
         if p.uploads_head():
             upload.update(subset_state(model, GLOBAL_HEAD))
         scalars = {
             "num_samples": len(ctx.train_data),
+            **{k: final[k] for k in ("last_loss", "chance_loss") if k in final},
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "classes": list(space.tasks[ctx.task].classes),
         }
         return Message(upload, scalars, kind="train_reply")
 
     @torch.no_grad()
-    def diagnostics(self, model: MGPModel, ctx: ClientContext) -> dict[str, float]:
-        """`local_key_hit`: % of the current task's local test images whose top-1 local prompt at test time is
-        their own class's (the prompt training used) — the train/test selection gap of §4.2.2."""
+    def diagnostics(self, model: MGPModel, ctx: ClientContext, batch_size: int = 256) -> dict[str, float]:
+        """The train/test selection gap of §4.2.2 on the current task's local test images, selected exactly as
+        `predict` does (`local_top_k` among `local_candidates`, `local_batchwise`, batches of the evaluation's
+        size): `local_key_hit`, the % whose own class's local prompt (the one training used) is among the
+        selected; `local_key_chance`, the % a uniformly random choice of as many candidates would hit,
+        100·min(k, C)/C for C candidate class prompts (the image's own class is always a candidate)."""
         if model.local_pool is None or ctx.local_test is None:
             return {}
-        space, hits, n = ctx.space(self.env), 0, 0
-        allowed = space.seen_mask(ctx.task)
-        for x, y in ctx.local_test(ctx.task).batches(64, self.env.eval_transform, device=ctx.device):
-            hits += int((model.local_pool.select(model.local_query(x), allowed, 1)[:, 0] == y).sum())
+        p, hits, n = self.params, 0, 0
+        allowed = self.local_candidates(ctx, ctx.task)
+        for x, y in ctx.local_test(ctx.task).batches(batch_size, self.env.eval_transform, device=ctx.device):
+            ids = model.local_pool.select(model.local_query(x), allowed, p.local_top_k, p.local_batchwise)
+            hits += key_hits(ids, y)
             n += len(y)
-        return {"local_key_hit": 100.0 * hits / n} if n else {}
+        if not n:
+            return {}
+        candidates = int(allowed.sum()) if allowed is not None else model.local_pool.keys.shape[0]
+        return {"local_key_hit": 100.0 * hits / n, "local_key_chance": key_chance(p.local_top_k, candidates)}
 
     @staticmethod
     def _trainable(model: MGPModel, prefixes: list[str]) -> None:
@@ -283,8 +333,9 @@ class FedMGPServer(ServerProgram):
             self.model.global_pool.start_task(task)
 
     def shared(self) -> dict[str, torch.Tensor]:
-        """What every client receives: the fused global pool (and the fused head when it is returned)."""
-        out = subset_state(self.model, GLOBAL_POOL)
+        """What every client receives: the fused global pool (and the fused head when it is returned); in the
+        w/o-global ablation the per-class averaged local pool; nothing when `local_only`."""
+        out = {k: v for prefix in self.params.shared() for k, v in subset_state(self.model, prefix).items()}
         if self.params.return_fused_head and self.has_fused_head:
             head = subset_state(self.model, GLOBAL_HEAD)
             out.update({"fused_head." + k[len(GLOBAL_HEAD) :]: v for k, v in head.items()})
@@ -296,12 +347,24 @@ class FedMGPServer(ServerProgram):
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         replies = grid.broadcast(info.participants, Message(self.shared(), kind="train"))
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        losses = [r.scalars["loss"] for r in usable.values()]
-        metrics: dict[str, float] = {"loss": sum(losses) / len(losses) if losses else float("nan"),
-                                     "clients": len(usable)}  # fmt: skip
-        if usable and self.model.global_pool is not None:
+        metrics: dict[str, float] = {**round_loss(usable), "clients": len(usable)}
+        if usable and self.params.shared() == (GLOBAL_POOL,):
             metrics.update(self.fuse(usable, info))
+        elif usable and self.params.shared() == (LOCAL_POOL,):
+            metrics.update(self.share_local(usable))
         return metrics
+
+    def share_local(self, replies: dict[int, Message]) -> dict[str, float]:
+        """W/o global prompt (§5.3): each class's local prompt and key averaged over the clients whose current
+        task holds the class (the ones that trained that row this round); rows nobody trained keep their value."""
+        space, pool = self.env.label_space, self.model.local_pool
+        rows = [[int(space.class_to_logit[c]) for c in r.scalars["classes"]] for r in replies.values()]
+        fused = {}
+        for name, dim in pool.CLASS_DIM.items():
+            values = [r.tensors[LOCAL_POOL + name].movedim(dim, 0) for r in replies.values()]
+            fused[name] = owner_row_mean(getattr(pool, name).detach().movedim(dim, 0), values, rows).movedim(0, dim)
+        pool.load_state_dict(fused)
+        return {"shared_local_rows": len({j for r in rows for j in r})}
 
     # ---------------------------------------------------------------------------- selective fusion
     def proxy(self, classes: set[int]) -> LabeledSubset:
@@ -390,6 +453,8 @@ class FedMGPServer(ServerProgram):
     def state(self) -> Record:
         tensors = subset_state(self.model, GLOBAL_POOL)
         tensors.update(subset_state(self.model, GLOBAL_HEAD))
+        if LOCAL_POOL in self.params.shared():
+            tensors.update(subset_state(self.model, LOCAL_POOL))
         return Record(tensors, {"has_fused_head": self.has_fused_head})
 
     def load_state(self, state: Record) -> None:

@@ -27,6 +27,7 @@ HeadKind = Literal["mlp", "linear"]
 Readout = Literal["prompt_mean", "cls"]
 GLOBAL_POOL = "global_pool."
 GLOBAL_HEAD = "global_head."
+LOCAL_POOL = "local_pool."
 
 
 def make_head(dim: int, num_logits: int, kind: HeadKind, hidden: int) -> nn.Module:
@@ -34,6 +35,16 @@ def make_head(dim: int, num_logits: int, kind: HeadKind, hidden: int) -> nn.Modu
     if kind == "linear":
         return nn.Linear(dim, num_logits)
     return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, num_logits))
+
+
+def key_hits(selected: torch.Tensor, labels: torch.Tensor) -> int:
+    """How many samples have their own class's prompt among their selected prompt ids (B, k)."""
+    return int((selected == labels.to(selected.device).unsqueeze(1)).any(dim=1).sum())
+
+
+def key_chance(top_k: int, candidates: int) -> float:
+    """% of samples a uniformly random choice of `top_k` of `candidates` prompts would hit: 100·min(k, C)/C."""
+    return 100.0 * min(top_k, candidates) / candidates
 
 
 def subset_state(module: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -70,6 +81,16 @@ class MGPModel(nn.Module):
         self.readout = readout
         self.local_aux: torch.Tensor = torch.zeros(())
         self.vx_cache: QueryCache | None = None  # set by the client program (FedMGP's `query_cache`)
+
+    @property
+    def prompted(self) -> bool:
+        return self.global_pool is not None or self.local_pool is not None
+
+    @property
+    def prompt_free_forward(self) -> bool:
+        """False when the heads read the global prompt tokens' outputs (`prompt_mean`): without prompts there is
+        nothing to read, so the validity gate's with / without prompts comparison is undefined for this model."""
+        return not (self.readout == "prompt_mean" and self.global_pool is not None)
 
     # ------------------------------------------------------------------------------------- pieces
     def global_spec(self, x: torch.Tensor) -> PromptSpec | None:

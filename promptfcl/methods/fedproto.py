@@ -11,6 +11,11 @@ are also FedAvg'd so there is one global model to evaluate — the paper's clien
 models and share only prototypes, which leaves no global model for task-agnostic evaluation (deviation).
 Prototypes of a task are frozen at its last round and kept for every seen class (prototype inference needs
 them); the regulariser uses the current task's global prototypes, available from the task's second round.
+So with one round per task the regulariser never fires — the same in fed-mammoth (`begin_task` empties the
+task's global prototypes; a client only holds current-task classes, so earlier tasks' prototypes would match
+none of its samples) and in the paper's Algorithm 1, whose first round has no global prototypes yet. Such a run
+is FedAvg-Prompt training plus nearest-prototype inference. The round metric `proto_reg_classes` is the number
+of current-task prototypes the clients received (0: the regulariser was off that round).
 
 Choices (switch → default):
 - `inference`: "prototype" (paper) | "head" (fed-mammoth) → paper.
@@ -115,6 +120,7 @@ class FedProtoServer(FedAvgServer):
         n, d = self.env.label_space.num_logits, self.env.backbone.embed_dim
         self.protos = torch.zeros(n, d)
         self.known = torch.zeros(n, dtype=torch.bool)
+        self.sent_protos = 0  # current-task prototypes in this round's downlink
 
     def reply_groups(self) -> list[dict[str, TensorSpec]]:
         return [statistics_schema(self.env.label_space.num_logits, self.env.backbone.embed_dim, "none")]
@@ -122,6 +128,7 @@ class FedProtoServer(FedAvgServer):
     def downlink(self, info: RoundInfo) -> Message:
         current = torch.tensor(self.env.label_space.tasks[info.task].logits)
         current = current[self.known[current]]  # the current task's prototypes, once they exist
+        self.sent_protos = len(current)
         return Message(
             {**self.model.get_state(), "protos/classes": current, "protos/means": self.protos[current]}, kind="train"
         )
@@ -132,7 +139,7 @@ class FedProtoServer(FedAvgServer):
             g = pooled(stats)
             self.protos[g.classes] = g.means
             self.known[g.classes] = True
-        return {}
+        return {"proto_reg_classes": float(self.sent_protos if self.params.proto_lambda > 0 else 0)}
 
     def global_model(self) -> nn.Module:
         if self.params.inference == "head":

@@ -1,26 +1,38 @@
 """HePCo: Heterogeneous Prompt Consolidation (Halbe et al., TMLR 2024), and its FedAvg-Prompt baseline.
 
-Paper `../shared/papers/003_…` with the official code (shaunak27/hepco-fed at f4b1f30) for what it leaves out
+Paper `../shared/papers/003_…` (equation numbers below are that text's) with the official code
+(shaunak27/hepco-fed at f4b1f30, `trainer.py::train_generator` / `knowledge_distillation`) for what it leaves out
 (`../shared/methods.md` §4). Per round:
 
-1. Clients (§4.1, Eq. 2–3), stateless: load the server's weighted-pool prompts (per layer 0–4: 100 keys and
-   100 prompts of length 20, prompt = Σ_m cos(q(x), K_m)·P_m, split 10 key / 10 value tokens) and head; CE over
-   the current task's logits (earlier tasks' logits masked); Adam, CODA-P's per-epoch cosine schedule, batch 64,
-   10 local epochs, no clipping. Upload prompts, keys, head and per-class label counts of their data.
+1. Clients (§4.1), stateless: load the server's weighted-pool prompts (per layer 0–4: 100 keys and 100 prompts
+   of length 20, prompt = Σ_m cos(q(x), K_m)·P_m, split 10 key / 10 value tokens) and head; CE over the current
+   task's logits (earlier tasks' logits masked); Adam, CODA-P's per-epoch cosine schedule, batch 64, 10 local
+   epochs, no clipping. Upload prompts, keys, head and per-class label counts of their data.
 2. Server (§4.2): uniform average → intermediate model (`server_kd: false` stops here = FedAvg-Prompt).
-3. Server (§4.2, Eq. 5–6): a fresh conditional generator of pseudo-queries z for the current task, trained
-   against the clients: Σ_c w_c·CE(φ_c(z), y) − λ_KL·Σ_c w_c·KL(φ_c(z) ‖ φ_s(z)) − λ_MSE·Σ_c w_c·‖ρ_s(z) − ρ_c(z)‖²
-   with w_c(y) = n_c(y) / N_round, λ_KL = 1, λ_MSE = 0.1, 100 iterations of 64, Adam 1e-4; labels ∝ the round's
-   label histogram. φ = head applied to z directly, ρ = the pool's prompts with z as the query.
-4. Server (§4.2, Eq. 7): if a previous-task server exists, a second generator against it (labels ∝ cumulative
-   counts of earlier tasks, 100 + 50·t iterations).
-5. Server (§4.3, Eq. 8–9): latent distillation, 200 iterations each — stage A updates only the prompts
+3. Server (§4.2, Eq. 1–5): a fresh conditional generator of pseudo-queries z for the current task, trained
+   against the clients: Σ_c w_c·CE(φ_c(z), y) − λ_KL·Σ_c w_c·KL(φ_c(z) ‖ φ_s(z)) − λ_MSE·Σ_c w_c·‖ρ_s(z) − ρ_c(z)‖²,
+   λ_KL = 1, λ_MSE = 0.1, 100 iterations of 64, Adam 1e-4; labels ∝ the round's label histogram. φ = head
+   applied to z directly, ρ = the pool's prompts with z as the query.
+4. Server (§4.2, last paragraph): if a previous-task server exists, a second generator against it (labels ∝
+   cumulative counts of earlier tasks, weight 1, 100 + 50·t iterations).
+5. Server (§4.3, Eq. 6): latent distillation, 200 iterations each — stage A updates only the prompts
    (Σ_c w_c‖ρ_s(z_new) − ρ_c(z_new)‖² + ‖ρ_s(z_old) − ρ_prev(z_old)‖²), stage B only the head (CE on
-   [z_new; z_old] with old latents at replay ratio 0.5).
+   [z_new; z_old] with old latents at replay ratio 0.5). Stage A and B use the same schedule and `kd_lr`.
 The server keeps the previous-task snapshot and the cumulative label counts (checkpointed).
 
+Teacher weights (code, not the paper's equations): Eq. 2–4 and 6 sum over clients unweighted and Eq. 4a writes
+the KL as KL(server ‖ client). The official code weights every client term per sample by w_c(y) = n_c(y) /
+N_round, where N_round = Σ_y max(Σ_c n_c(y), 1) is the round's aggregate label histogram with classes no client
+saw counted as 1 (over all logits), and computes KL(client ‖ server) (`KLDivLoss(log σ(φ_s), σ(φ_c))`). Here:
+- `teacher_weights`: "label_counts" (code: w_c(y) as above, so a client never teaches a class it has no data
+  of — with κ = 0.6 that is 40 % of each task's classes) | "uniform" (paper Eq. 2–4, 6: weight 1 for every client
+  and class) → code, because the paper's numbers come from it and its unweighted sum would make each client
+  teach classes it never saw.
+- The KL is KL(client ‖ server), as the code computes it (`training.latent_generator`); no switch yet.
+
 Choices (switch → default):
-- `lr`: 1e-3 (paper) | 5e-3 (code's yaml) → paper.
+- `lr`: 1e-3 (paper) | 5e-3 (code's yaml) → paper. `kd_lr` 1e-4 for both stages in both (the code pairs it
+  with its client lr 5e-3).
 - `replay_ratio`: 0.5 (paper, CIFAR/IN-R) | 1.0 (DomainNet script) → 0.5.
 - `detach_query`: False (paper: the prompt-MSE disagreement trains the generator) | True (code: the pool
   detaches its query, so that term gives the generator no gradient) → paper.
@@ -31,12 +43,21 @@ Extensions, off by default: `privacy` adds Gaussian-mechanism noise to the label
 `statistics.privacy`); `aggregation` (robust rules, norm checks) as for every FedAvg-style method.
 Deviations: the HePCo partition applies the long-tail β to the data (the code only reports it); our crop is a
 reflection-padded translation, not RandomResizedCrop; clients upload only trainable tensors.
+
+Round metrics (rounds.jsonl) of the server step: `generator_loss`, `generator_fidelity` (and
+`old_generator_fidelity`: how often the teachers classify generated latents as their label, see
+`latent_fidelity`), `head_kd_loss`, and for stage A: `prompt_kd_loss` (= `stage_a_loss_last`),
+`stage_a_loss_first` / `stage_a_loss_last` (the distillation loss at its first and last iteration),
+`stage_a_shift` = ‖P_after − P_before‖ / ‖P_before‖ over the pool's keys and prompts, and `stage_a_vs_fedavg` =
+‖P_after − P_before‖ / ‖P_fedavg − P_round_start‖, stage A's move relative to this round's FedAvg move (NaN when
+FedAvg did not move them). Together they show whether stage A moves the prompts at all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +110,9 @@ class HePCoParams(WeightedPoolParams):
     use_prev_server: bool = True
     distill_prompts: bool = True
     distill_head: bool = True
+    teacher_weights: Literal["label_counts", "uniform"] = Field(
+        "label_counts", description="per-sample client weights n_c(y)/N_round (code) or 1 (paper Eq. 2-4, 6)"
+    )
     privacy: PrivacyParams = Field(default_factory=PrivacyParams, description="Gaussian noise on label counts")
 
 
@@ -105,7 +129,7 @@ def prompt_output(model: PromptedClassifier, z: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_gap(t: Teacher, y: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """One client's term of stage A (Eq. 8): Σ_batch w_c(y)·‖s − ρ_c(z)‖², `s` the student's ρ_s(z)."""
+    """One client's term of stage A (Eq. 6): Σ_batch w_c(y)·‖s − ρ_c(z)‖², `s` the student's ρ_s(z)."""
     return (t.weight.to(s.device)[y] * (s - t.prompts(z)).pow(2).flatten(1).sum(1)).sum()
 
 
@@ -125,6 +149,28 @@ def latent_fidelity(
             t.weight.to(z.device)[y, None] * F.softmax(t.logits(z).masked_fill(~allowed, -1e9), 1) for t in teachers
         )
     return float((probs.argmax(1) == y).float().mean())  # type: ignore[union-attr]
+
+
+def round_sample_count(counts: torch.Tensor) -> torch.Tensor:
+    """N_round of the official code: the round's aggregate label histogram Σ_c n_c(y) over all logits, classes no
+    client saw counted as 1 (`adjusted_label_counts_round`), summed. `counts` is (clients, logits)."""
+    return counts.sum(0).clamp_min(1).sum().double()
+
+
+def teacher_weights(counts: torch.Tensor, kind: str) -> torch.Tensor:
+    """(clients, logits) per-sample weight of each client's terms: n_c(y) / N_round (code) or 1 (paper)."""
+    if kind == "uniform":
+        return torch.ones(counts.shape)
+    return (counts.double() / round_sample_count(counts)).float()
+
+
+def prompt_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ over all the tensors of two same-keyed parameter dicts, as one flat vector."""
+    return float(torch.sqrt(sum((a[k].double() - b[k].double()).pow(2).sum() for k in a)))  # type: ignore[arg-type]
+
+
+def prompt_norm(a: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum(v.double().pow(2).sum() for v in a.values())))  # type: ignore[arg-type]
 
 
 class LabelCountingClient(SupervisedClient):
@@ -177,6 +223,15 @@ class HePCoServer(PreviousTaskServer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cumulative = torch.zeros(self.env.label_space.num_logits, dtype=torch.long)
+        self.round_start: dict[str, torch.Tensor] = {}  # the pool's tensors before this round's FedAvg
+
+    def prompt_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the trainable prompt tensors (the weighted pool's keys and prompts)."""
+        return {k: v.detach().clone() for k, v in self.model.prompt.named_parameters()}
+
+    def aggregate(self, replies: dict[int, Message]) -> None:
+        self.round_start = self.prompt_state()
+        super().aggregate(replies)
 
     def keeps_previous(self) -> bool:
         return self.params.use_prev_server
@@ -190,15 +245,16 @@ class HePCoServer(PreviousTaskServer):
         return self.consolidate(replies, counts, info) if self.params.server_kd else {}
 
     def teachers(self, replies: dict[int, Message], counts: torch.Tensor) -> list[Teacher]:
-        n_round = counts.clamp_min(1).sum().double()  # zero-count classes count as 1 (HePCo code)
+        """One frozen teacher per client, weighted per label by `teacher_weights` (n_c(y) / N_round by default)."""
+        weights = teacher_weights(counts, self.params.teacher_weights)
         out = []
-        for r, c in zip(replies.values(), counts, strict=True):
+        for r, w in zip(replies.values(), weights, strict=True):
             m = self.new_model().eval()
             state = m.state_dict()
             m.set_state({k: r.tensors[k] for k in state})
             r.tensors.update(state)  # the teacher takes over: the reply's own copy is freed, not held twice
             m.requires_grad_(False)
-            out.append(Teacher(m.head, lambda z, m=m: prompt_output(m, z), (c.double() / n_round).float()))
+            out.append(Teacher(m.head, lambda z, m=m: prompt_output(m, z), w))
         return out
 
     def consolidate(self, replies: dict[int, Message], counts: torch.Tensor, info: RoundInfo) -> dict[str, float]:
@@ -209,7 +265,9 @@ class HePCoServer(PreviousTaskServer):
         teachers = self.teachers(replies, counts)
         latents, metrics = self.train_generators(teachers, counts.sum(0).double(), info, gen)
         if p.distill_prompts:
-            metrics["prompt_kd_loss"] = self.distill_prompts(latents, teachers)
+            before = self.prompt_state()
+            losses = self.distill_prompts(latents, teachers)
+            metrics.update(self.stage_a_metrics(before, losses))
         if p.distill_head:
             metrics["head_kd_loss"] = self.distill_head(latents, self.env.label_space.seen_logits(info.task))
         return metrics
@@ -220,7 +278,7 @@ class HePCoServer(PreviousTaskServer):
     def train_generators(
         self, teachers: list[Teacher], hist_new: torch.Tensor, info: RoundInfo, gen: torch.Generator
     ) -> tuple[LatentBatches, dict[str, float]]:
-        """Eq. 5–6: a fresh generator against the round's clients; Eq. 7: one against the previous-task server
+        """Eq. 5: a fresh generator against the round's clients; §4.2 end: one against the previous-task server
         (when there is one and earlier classes were seen). Logs how often the teachers classify the latents as
         their conditioning label (`*generator_fidelity`)."""
         p, space, dev = self.params, self.env.label_space, self.env.device
@@ -252,11 +310,28 @@ class HePCoServer(PreviousTaskServer):
             latents.add_old(g_old, old.double(), round(p.kd_batch_size * p.replay_ratio), prev_teacher)
         return latents, metrics
 
-    def distill_prompts(self, latents: LatentBatches, teachers: list[Teacher]) -> float:
-        """Eq. 8, stage A (prompts only): Σ_c w_c‖ρ_s(z_new) − ρ_c(z_new)‖² + ‖ρ_s(z_old) − ρ_prev(z_old)‖²."""
+    def stage_a_metrics(self, before: dict[str, torch.Tensor], losses: list[float]) -> dict[str, float]:
+        """Whether stage A moved the prompts: its first and last loss, its move relative to the prompts' norm
+        and to this round's FedAvg move (`before` is the FedAvg'd pool; NaN where a denominator is 0)."""
+        after = self.prompt_state()
+        move = prompt_distance(after, before)
+        norm = prompt_norm(before)
+        fedavg = prompt_distance(before, self.round_start) if self.round_start else 0.0
+        nan = float("nan")
+        return {
+            "prompt_kd_loss": losses[-1] if losses else nan,
+            "stage_a_loss_first": losses[0] if losses else nan,
+            "stage_a_loss_last": losses[-1] if losses else nan,
+            "stage_a_shift": move / norm if norm > 0 else nan,
+            "stage_a_vs_fedavg": move / fedavg if fedavg > 0 else nan,
+        }
+
+    def distill_prompts(self, latents: LatentBatches, teachers: list[Teacher]) -> list[float]:
+        """Eq. 6, stage A (prompts only): Σ_c w_c‖ρ_s(z_new) − ρ_c(z_new)‖² + ‖ρ_s(z_old) − ρ_prev(z_old)‖².
+        Returns the loss of every iteration."""
         p, student = self.params, self.model
         opt = torch.optim.Adam(student.prompt.parameters(), lr=p.kd_lr)
-        loss = torch.zeros(())
+        losses = []
         for _ in range(p.kd_iterations):
             z_new, y_new, z_old, _ = latents.draw()
             opt.zero_grad(set_to_none=True)
@@ -268,10 +343,11 @@ class HePCoServer(PreviousTaskServer):
                 old.backward()
                 loss = loss + old.detach()
             opt.step()
-        return float(loss.detach())
+            losses.append(float(loss.detach()))
+        return losses
 
     def distill_head(self, latents: LatentBatches, n_seen: int) -> float:
-        """Eq. 9, stage B (head only): CE on the mixed new and old latents over the seen classes."""
+        """§4.3 last sentences, stage B (head only): CE on the mixed new and old latents over the seen classes."""
         p, student = self.params, self.model
         opt = torch.optim.Adam(student.head.parameters(), lr=p.kd_lr)
         loss = torch.zeros(())

@@ -11,9 +11,9 @@ for what the paper leaves out. Algorithm, per round:
 4. Server (§3.2, Eq. 4–5): per current-task class a mixture over clients with π_{m,c} ∝ n_{m,c}; rebuilt
    every round; older tasks' mixtures are those of their last round.
 5. Server (§3.3, Eq. 6): classifier rebalancing every round — draw on average 256 features per seen class,
-   class → client component → N(μ, 3·σ² + 1e-8) with O(1) alias draws, and retrain only the head for 5 epochs
-   with CE on normalised logits (logits/‖logits‖ over seen classes, temperature 0.1), SGD lr 0.01, momentum
-   0.9, cosine schedule, batch 256.
+   class → client component → N(μ, 3·σ² + 1e-8) with O(1) alias draws (the ×3 "to enhance dataset diversity",
+   Appendix C.1), and retrain only the head for 5 epochs with CE on normalised logits (logits/‖logits‖ over seen
+   classes, temperature 0.1), SGD lr 0.01, momentum 0.9, cosine schedule, batch 256.
 
 Prompt (§3.1): one prefix shared by all tasks, in layers 0–4 a (200, d) tensor — 100 key + 100 value tokens.
 
@@ -27,7 +27,11 @@ Choices where paper and code differ (switch → default, and why):
   paper is silent.
 - `optimizer_reset`: "round" (later code: new Adam every round) | "never" (older code, kept in client state)
   → later code, the paper is silent.
-- `variance_scale` 3 and `calibration.logit_norm_temperature` 0.1: code-only details, kept as defaults.
+- `scale_full_covariance` (only with `covariance: full`, which Appendix B found no better): False
+  (fed-mammoth's `full_cov` path samples N(μ, Σ + 1e-8·I), the ×3 only on diagonal variances) | True (the
+  paper's "multiplying the covariance … by 3" read for any covariance) → code: that sentence describes the
+  diagonal prototypes HGP uses (Appendix B); only the code says what full covariances get.
+- `calibration.logit_norm_temperature` 0.1: code-only detail, kept as default.
 Ablations (§5, Table 4) as config: `rebalance` = "all" (HGP) | "current" (CR_cur) | "old" (CR_old) |
 "none" (= FedAvg-Prompt plus statistics); CR_cur / CR_old retrain only their classes' logits, as the
 fed-mammoth ablation files slice them.
@@ -51,7 +55,10 @@ class HGPParams(ClassGaussianParams):
 
     length: int = Field(200, ge=0, description="prefix tokens per layer: half keys, half values")
     lr: float = Field(3e-3, gt=0, description="paper Appendix H: CIFAR-100 3e-3 (ImageNet-R 3e-2/3e-2/1e-2)")
-    variance_scale: float = Field(3.0, gt=0)
+    variance_scale: float = Field(3.0, gt=0, description="spread multiplier before sampling (paper Appendix C.1, code)")
+    scale_full_covariance: bool = Field(
+        False, description="also multiply full covariances by variance_scale (fed-mammoth inflates only diagonals)"
+    )
     rebalance_optimizer: Literal["sgd_cosine", "local_lr"] = "sgd_cosine"
 
 
@@ -63,6 +70,12 @@ class HGPServer(ClassGaussianServer):
         if p.rebalance_optimizer == "local_lr":
             return p.calibration.model_copy(update={"lr": p.lr, "schedule": "constant"})
         return p.calibration
+
+    def variance_scale(self) -> float:
+        p = self.params
+        if p.covariance == "full" and not p.scale_full_covariance:
+            return 1.0  # fed-mammoth: cov = Σ + 1e-8·I for full covariances, (σ² + 1e-8)·3 for diagonal ones
+        return p.variance_scale
 
 
 register_method(

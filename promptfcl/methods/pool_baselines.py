@@ -9,6 +9,16 @@ Federated as HePCo's and HGP's baselines: FedAvg (uniform, as HePCo's code) of e
 training follows HePCo's protocol (`PoolTrainingParams`: Adam lr 1e-3, batch 64, 10 epochs, CODA-P's per-epoch
 cosine, CE over the current task's logits), so every pool method in a table shares one budget; each pool's own
 shape defaults are its paper's.
+
+Personalized scenarios (FedMGP's Table 1 rows FedL2P / FedDualP, `scenario.kind: personalized`): every client has
+its own task sequence, so in a round a class's head row is trained only by the clients whose current task holds
+it (in FedMGP's asynchronous setting a private class by one client). Default (`personal_head: owners`): each head
+row is averaged over those clients only, and rows nobody trains keep their value — the owner-row averaging these
+servers already do on asynchronous scenarios (`FedAvgServer.owned_head`). `personal_head: uniform` is FedMGP's
+official code (`Server_DF.fed_avg_head`, a uniform mean of the whole head): a private class's row update is
+divided by the number of clients every round (5× in the paper's setting), which is why it is not the default.
+Prompts and keys are averaged over every client either way (the FedMGP paper's appendix describing its FedL2P /
+FedDualP adaptation is not available).
 """
 
 from __future__ import annotations

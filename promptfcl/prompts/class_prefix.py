@@ -11,6 +11,8 @@ mean over the batch of (1 − cos(q, k_s)).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -20,6 +22,8 @@ from promptfcl.prompts.pools import cosine, top_k_ids, uniform_
 
 class ClassPrefixPool(nn.Module):
     """`num_classes` prefix prompts (separate K and V of length `length` per layer) with one key each."""
+
+    CLASS_DIM: ClassVar[dict[str, int]] = {"keys": 0, "k_prompts": 1, "v_prompts": 1}  # the class axis of each
 
     def __init__(
         self, dim: int, num_classes: int, layers: tuple[int, ...] | list[int] = (2, 3, 4), length: int = 10

@@ -30,6 +30,13 @@ from promptfcl.backbones.prompt_spec import PromptSpec
 from promptfcl.prompts.pools import PromptPool, gram_schmidt_, require_query
 
 
+def attention_weights(query: torch.Tensor, keys: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """CODA-P's component weights α (B, n) = cos(q ⊙ A_m, K_m) of queries (B, d) for components with keys and
+    attention vectors (n, d) — Eq. 4 of the paper, shared by every pool built from CODA-P components."""
+    aq = F.normalize(query.unsqueeze(1) * attention.unsqueeze(0), dim=-1)  # (B, n, d)
+    return torch.einsum("bnd,nd->bn", aq, F.normalize(keys, dim=-1))
+
+
 def ortho_penalty(t: torch.Tensor) -> torch.Tensor:
     """mean((XXᵀ − I)²) of the rows of `t` flattened (CODA-P's `ortho_penalty`)."""
     x = t.flatten(1)
@@ -84,9 +91,7 @@ class CodaPool(PromptPool):
 
     def component_weights(self, query: torch.Tensor, layer_index: int = 0) -> torch.Tensor:
         """α (B, active components) of the `layer_index`-th prompted layer: cos(q ⊙ A_m, K_m)."""
-        k, a = self._active(self.keys[layer_index]), self._active(self.attention[layer_index])
-        aq = F.normalize(query.unsqueeze(1) * a.unsqueeze(0), dim=-1)  # (B, n, d)
-        return torch.einsum("bnd,nd->bn", aq, F.normalize(k, dim=-1))
+        return attention_weights(query, self._active(self.keys[layer_index]), self._active(self.attention[layer_index]))
 
     def forward(self, batch_size: int, query: torch.Tensor | None = None) -> PromptSpec:
         q = require_query(self, query)

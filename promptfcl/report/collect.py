@@ -71,6 +71,15 @@ class RunResult:
         return vals
 
     @property
+    def failed_checks(self) -> list[str]:
+        """The validity gate's failed checks ([] when the run is valid or a reference row that trains nothing)."""
+        from promptfcl.evaluation.validity import failed_checks
+
+        if self.metrics.get("upper_bound") == "frozen_probe":
+            return []
+        return failed_checks(self.metrics.get("validity"))
+
+    @property
     def total_mb(self) -> float:
         comm = self.metrics.get("communication", {})
         return (comm.get("bytes_up", 0) + comm.get("bytes_down", 0)) / 1e6
@@ -212,6 +221,7 @@ def aggregate(groups: list[Group]) -> tuple[list[dict[str, Any]], list[str]]:
         for c in columns:
             xs = [v[c] for v in vals if c in v]
             values[c] = mean_std(xs) if xs else None
+        invalid = {str(r.seed): r.failed_checks for r in g.runs if r.failed_checks}
         rows.append(
             {
                 "cell": g.name,
@@ -220,15 +230,29 @@ def aggregate(groups: list[Group]) -> tuple[list[dict[str, Any]], list[str]]:
                 "sweep": g.sweep,
                 "upper_bound": g.upper_bound,
                 "values": values,
+                "valid_seeds": len(g.runs) - len(invalid),
+                "invalid": invalid,
+                "per_seed": {str(r.seed): r.summary_values() for r in g.runs},
             }
         )
     return rows, columns
 
 
 def row_label(row: dict[str, Any]) -> str:
-    """A table row's name: the cell, marked when it is an upper bound rather than a federated method."""
+    """A table row's name: the cell, marked when it is an upper bound rather than a federated method, and flagged
+    when a seed failed the validity gate."""
     bound = row.get("upper_bound")
-    return f"{row['cell']} [upper bound: {bound}]" if bound else row["cell"]
+    label = f"{row['cell']} [upper bound: {bound}]" if bound else row["cell"]
+    return f"{label} ⚠ INVALID" if row.get("invalid") else label
+
+
+def validity_label(row: dict[str, Any]) -> str:
+    """`5/5`, or `3/5 (client_loss, prompt_effect)` naming the checks the failing seeds missed."""
+    if not row["seeds"]:
+        return "–"
+    failed = sorted({c for checks in (row.get("invalid") or {}).values() for c in checks})
+    text = f"{row.get('valid_seeds', row['seeds'])}/{row['seeds']}"
+    return f"{text} ({', '.join(failed)})" if failed else text
 
 
 def format_value(value: tuple[float, float] | list[float] | None, seeds: int, digits: int = 2) -> str:

@@ -20,9 +20,19 @@ from typing import Any
 import numpy as np
 
 from promptfcl.checkpoint import atomic_write_text
-from promptfcl.report.collect import Group, RunResult, aggregate, format_value, mean_std, row_label
+from promptfcl.config import client_domain_steps
+from promptfcl.report.collect import (
+    Group,
+    RunResult,
+    aggregate,
+    format_value,
+    mean_std,
+    row_label,
+    validity_label,
+)
 from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
+from promptfcl.report.results import scored_model_label
 
 COLUMN_NOTES = (
     "FAA: average accuracy over all tasks after the last one (HGP's FAA, HePCo's A_N); forgetting: mean drop "
@@ -58,6 +68,17 @@ def backbone_label(cfg: dict[str, Any]) -> str:
     return f"{'CLIP ' if clip else ''}{b.get('name', '?')} @ {b.get('img_size', '?')} px, {where}{run}"
 
 
+SLICE_NOTES = {"distinct": ", a new slice per class repeat", "disjoint": ", no image shared by two clients"}
+
+
+def domains_label(domains: dict[str, Any] | None, num_clients: int) -> str:
+    """', per-client image domains: colour / blur / …' (client order) for `scenario.domains`, else ''."""
+    if not domains or not domains.get("clients"):
+        return ""
+    steps = client_domain_steps(domains["clients"], num_clients)
+    return ", per-client image domains: " + " / ".join("+".join(s) or "none" for s in steps)
+
+
 def scenario_label(cfg: dict[str, Any]) -> str:
     s, d = cfg.get("scenario", {}), cfg.get("data", {})
     p = s.get("partition", {})
@@ -75,8 +96,10 @@ def scenario_label(cfg: dict[str, Any]) -> str:
         switching = a.get("switching_clients")
         part = (
             f"asynchronous task switching ({'⌊K/2⌋' if switching is None else switching} clients per stage, "
-            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices)"
+            f"overlap ≥ {a.get('min_overlap')}, 1/{a.get('data_slices')} data slices"
+            f"{SLICE_NOTES.get(a.get('slice_rule'), '')})"
         )
+        part += domains_label(s.get("domains"), s.get("num_clients") or 0)
     elif s.get("kind") == "personalized":  # FedMGP: per-client task sequences
         q = s.get("personalized") or {}
         classes = (
@@ -95,6 +118,20 @@ def scenario_label(cfg: dict[str, Any]) -> str:
     if s.get("upper_bound"):
         clients = f"one learner holding the data of {clients}"
     return f"{d.get('name', '?')}{sub}; {tasks}, {clients}, {part}, {s.get('rounds_per_task')} rounds/task"
+
+
+SCORED_NOTE = (
+    "**Scored models differ.** Task-aware rows score each (client, task) with the model the server holds for that "
+    "client: methods that send every client its own aggregate (C2Prompt's CPA) are scored on each client's own "
+    "model, FedAvg-style methods on the one global model. Here: "
+)
+
+
+def setup_label(run: RunResult) -> str:
+    """The set-up table's scenario cell: the scenario, and for task-aware per-(client, task) runs the model scored."""
+    scored = scored_model_label(run.metrics)
+    label = scenario_label(run.config)
+    return f"{label}; scored per (client, task) on {scored}" if scored else label
 
 
 def _commit(run: RunResult) -> str:
@@ -126,9 +163,10 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
     done = [g for g in groups if g.runs]
     rows, columns = aggregate(groups)
     sweep_keys = sorted({k for g in groups for k in g.sweep})
-    header = ["cell", "method", "seeds", *sweep_keys, *columns]
+    header = ["cell", "method", "seeds", "valid", *sweep_keys, *columns]
     table = [
-        [row_label(r), r["method"], str(r["seeds"]), *(json.dumps(r["sweep"].get(k, "")) for k in sweep_keys)]
+        [row_label(r), r["method"], str(r["seeds"]), validity_label(r)]
+        + [json.dumps(r["sweep"].get(k, "")) for k in sweep_keys]
         + [format_value(r["values"][c], r["seeds"]) for c in columns]
         for r in rows
     ]
@@ -152,17 +190,56 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
                 "weights were found, so these accuracies test the mechanics only, not the methods."
             )
         )
+    blocks += validity_blocks(done)
     blocks += [
         Heading("Set-up", 3),
         Table(
             ["cell", "scenario", "backbone"],
-            [[g.name, scenario_label(g.runs[0].config), backbone_label(g.runs[0].config)] for g in done],
+            [[g.name, setup_label(g.runs[0]), backbone_label(g.runs[0].config)] for g in done],
         ),
     ]
+    scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
+    if len({v for v in scored.values() if v}) > 1:
+        blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
     if done:
         blocks += [Heading("Figures")] + _figures(done, fig_dir)
     blocks += [Heading("Runs: exact config and environment"), *_run_details(done, out)]
     return blocks
+
+
+VALIDITY_NOTE = (
+    "Validity gate (`promptfcl/evaluation/validity.py`): each value is the mean over seeds of the check's value. "
+    "client_loss = worst task's final-epoch client loss / ln K (≤ 0.5); learned_tasks = worst task's binomial p that "
+    "its accuracy right after learning is at chance (< 0.001); prompt_effect = % of test predictions that change "
+    "when every prompt is removed (≥ 5); method signals as documented there. A cell with a failing seed is marked "
+    "⚠ INVALID and cannot support a claim."
+)
+
+
+def validity_blocks(groups: list[Group]) -> list[Block]:
+    """The evidence table: per cell, the mean over seeds of every validity check's value, failing seeds named."""
+    names: list[str] = []
+    for g in groups:
+        for r in g.runs:
+            for c in (r.metrics.get("validity") or {}).get("checks", []):
+                if c["name"] not in names and c["name"] != "backbone_pretrained":
+                    names.append(c["name"])
+    if not names:
+        return []
+    table = []
+    for g in groups:
+        cells = []
+        for name in names:
+            vals = [
+                c["value"]
+                for r in g.runs
+                for c in (r.metrics.get("validity") or {}).get("checks", [])
+                if c["name"] == name and c["value"] is not None
+            ]
+            cells.append(f"{sum(vals) / len(vals):.3g}" if vals else "–")
+        failing = [f"seed {r.seed}: {', '.join(r.failed_checks)}" for r in g.runs if r.failed_checks]
+        table.append([g.name, *cells, "; ".join(failing) or "all pass"])
+    return [Heading("Validity", 3), Text(VALIDITY_NOTE), Table(["cell", *names, "failing"], table)]
 
 
 def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:

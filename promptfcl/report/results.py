@@ -70,6 +70,19 @@ SUMMARY_ROWS = [  # regime-specific summary keys, shown before the standard rows
 ]
 
 
+SCORED_MODEL = {  # metrics.json `scored_model` of task-aware per-(client, task) runs (evaluation.regimes)
+    "global": "the global model",
+    "client": "each client's own aggregated model",
+    "task": "each (client, task)'s own model",
+}
+
+
+def scored_model_label(metrics: dict[str, Any]) -> str | None:
+    """What a task-aware per-(client, task) run scored, in words (None for other regimes)."""
+    kind = metrics.get("scored_model")
+    return SCORED_MODEL.get(kind, str(kind)) if kind else None
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.2f}" if isinstance(v, float) and math.isfinite(v) else "n/a"
 
@@ -79,6 +92,10 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     groups = [(f"{g} accuracy (%)", f"{v:.2f}") for g, v in s.get("class_groups", {}).items()]
     extra = [(label, _fmt(s.get(key))) for key, label in SUMMARY_ROWS if key in s]
     bound = [("upper bound", str(metrics["upper_bound"]))] if metrics.get("upper_bound") else []
+    scored = scored_model_label(metrics)
+    bound += [("scored on", f"{scored}, per (client, task)")] if scored else []
+    domains = metrics.get("client_domains")  # per-client image domains (scenario.domains), in client order
+    bound += [("client image domains", " / ".join(domains))] if domains else []
     return (
         bound
         + groups

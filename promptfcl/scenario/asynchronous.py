@@ -10,9 +10,23 @@ protocol (`../shared/methods.md` §2.7):
 - Output slots. Each (client k, task j) owns C logits of its own: label-space task g = j·K + k (Powder's global
   task id `task_id * num_clients + client_id`), K·T·C logits in all; a real class that recurs gets a new logit
   each time.
-- Data slices. Each task uses 1/`data_slices` of every one of its classes' training images: slice o mod
-  `data_slices` of a fixed seeded permutation of the class's images (Powder: 20 % slices cycling with the global
-  task id), so a class repeated in another task sees different images.
+- Data slices. Each task uses 1/`data_slices` of every one of its classes' training images: one slice of a fixed
+  seeded permutation of the class's images. `slice_rule` picks the slice:
+  - `powder` (default): slice o mod `data_slices`, o = k·T + j — Powder's ImageNet-R code
+    (`proportion_list[(i·T + j) % 5]`, 20 % slices). With T a multiple of `data_slices` (Powder: T = 5, 5 slices)
+    o mod `data_slices` = j, so every client's j-th task uses slice j: a class that recurs at the same position
+    of two clients' sequences is trained on the same images, and only repeats at different positions see
+    different ones. Powder's DomainNet code uses K·T slices of 2 % (`data_slices` = 50): all distinct.
+  - `distinct`: the r-th occurrence of a class over the ordinals (r = 0, 1, …) uses slice r mod `data_slices`,
+    so every repeat of a class sees images no earlier occurrence saw, up to `data_slices` occurrences (further
+    ones cycle — and a cycled slice may be one another client trained on: with 5 clients × 5 tasks × 10 of 100
+    classes a class occurs up to 13 times, and a few hundred images end up trained by two clients).
+  - `disjoint`: no image is trained on by two clients. Every client using a class is reserved a fresh slice of it;
+    the class's remaining slices go to repeats in occurrence order, and a repeat past them reuses the client's
+    own slices in turn (`DisjointSlices`). A class occurring at most `data_slices` times gets exactly its
+    `distinct` slices. Needs `data_slices` ≥ the clients using a class (`num_clients` always suffices; otherwise
+    a clear error). Used where clients must not share images (per-client domains, `scenario.domains`).
+  Default is Powder's rule because C2Prompt declares Powder's benchmark as its protocol.
 - Schedule. `num_tasks` stages of `rounds_per_task` rounds. In stage 0 every client trains its task 0. At each
   later stage boundary s a random `switching_clients` (default ⌊K/2⌋) clients switch to task s of their own
   sequence; the others keep training their current task. Clients therefore skip tasks.
@@ -66,6 +80,69 @@ def switch_schedule(num_clients: int, num_stages: int, switching: int, seed: int
     return out
 
 
+def slice_indices(seqs: list[list[list[int]]], slices: int, rule: str) -> list[list[int]]:
+    """[client][task] → the slice index of each of the task's classes (`rule`: powder | distinct | disjoint)."""
+    if rule not in ("powder", "distinct", "disjoint"):
+        raise PartitionError(f"unknown scenario.asynchronous.slice_rule {rule!r}; use powder, distinct or disjoint")
+    T = len(seqs[0]) if seqs else 0
+    seen: dict[int, int] = {}  # class → occurrences so far, in client-major ordinal order
+    plan = DisjointSlices(seqs, slices) if rule == "disjoint" else None
+    out: list[list[int]] = []
+    for k, seq in enumerate(seqs):
+        for j, classes in enumerate(seq):
+            if rule == "powder":
+                out.append([(k * T + j) % slices] * len(classes))
+            elif plan is None:
+                out.append([seen.get(c, 0) % slices for c in classes])
+            else:
+                out.append([plan.next(c, k) for c in classes])
+            for c in classes:
+                seen[c] = seen.get(c, 0) + 1
+    return [out[k * T : (k + 1) * T] for k in range(len(seqs))]
+
+
+class DisjointSlices:
+    """`slice_rule: disjoint`: hands out a class's slices so that no two clients hold the same one.
+
+    Every client that uses a class is reserved one fresh slice; the class's other slices go, in occurrence order, to
+    repeats (a repeat takes the next fresh slice while more are left than clients still waiting for their first);
+    after that a repeat reuses the client's own slices in turn. A class used by more clients than `data_slices` is
+    refused, so `data_slices` ≥ `num_clients` always works. Occurrences are visited in client-major order, so a
+    class occurring at most `data_slices` times gets the same slices as under `distinct`.
+    """
+
+    def __init__(self, seqs: list[list[list[int]]], slices: int) -> None:
+        self.slices = slices
+        self.users: dict[int, set[int]] = {}
+        for k, seq in enumerate(seqs):
+            for classes in seq:
+                for c in classes:
+                    self.users.setdefault(c, set()).add(k)
+        for c, users in sorted(self.users.items()):
+            if len(users) > slices:
+                raise PartitionError(
+                    f"slice_rule disjoint: class {c} is used by {len(users)} clients but has only {slices} data "
+                    f"slices, so two clients would share images; raise scenario.asynchronous.data_slices to ≥ "
+                    f"{len(users)} (num_clients always suffices)"
+                )
+        self.fresh: dict[int, int] = {}  # class → slices handed out so far (slices 0..fresh-1)
+        self.held: dict[tuple[int, int], list[int]] = {}  # (class, client) → its slices, one entry per occurrence
+
+    def next(self, cls: int, client: int) -> int:
+        """The slice of `client`'s next occurrence of `cls`."""
+        held = self.held.setdefault((cls, client), [])
+        fresh = self.fresh.get(cls, 0)
+        waiting = sum(1 for k in self.users[cls] if not self.held.get((cls, k)))  # users without a slice yet
+        if not held or self.slices - fresh > waiting:
+            pick = fresh
+            self.fresh[cls] = fresh + 1
+        else:
+            own = list(dict.fromkeys(held))  # its distinct slices, in the order it got them
+            pick = own[(len(held) - len(own)) % len(own)]
+        held.append(pick)
+        return pick
+
+
 def class_slice(positions: np.ndarray, slice_index: int, slices: int, rng: np.random.Generator) -> np.ndarray:
     """Slice `slice_index` of `slices` of a seeded permutation of one class's image positions."""
     perm = rng.permutation(positions)
@@ -96,14 +173,14 @@ def build_asynchronous(
             f"some class has fewer training images than scenario.asynchronous.data_slices ({a.data_slices}); "
             "lower data_slices or raise data.train_per_class"
         )
+    slices = slice_indices(seqs, a.data_slices, a.slice_rule)
     task_classes, owners, group_train, test_idx = [], [], [], []
     for j in range(T):  # label-space task g = j·K + k
         for k in range(K):
             classes = seqs[k][j]
-            ordinal = k * T + j
             idx = [
-                class_slice(positions[c], ordinal % a.data_slices, a.data_slices, numpy_rng(seed, "async_slices", c))
-                for c in classes
+                class_slice(positions[c], i, a.data_slices, numpy_rng(seed, "async_slices", c))
+                for c, i in zip(classes, slices[k][j], strict=True)
             ]
             task_classes.append(classes)
             owners.append((k, j))

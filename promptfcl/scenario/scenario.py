@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from promptfcl.config import ScenarioConfig
+from promptfcl.data.domains import ImageDomain, draw_domains
 from promptfcl.scenario.label_space import LabelSpace
 from promptfcl.scenario.partition import PartitionError, dirichlet_partition, hepco_client_sample, iid_partition
 from promptfcl.seeding import numpy_rng
@@ -49,6 +50,8 @@ class Scenario:
     client_tasks: list[list[list[int]]] | None = None
     client_test: list[list[np.ndarray]] | None = None
     upper_bound: str | None = None  # "centralized" | "joint": one learner, no federation (scenario.upper_bound)
+    # [client] → its fixed image domain (scenario.domains; None: every client sees the images as they are)
+    domains: list[ImageDomain] | None = None
 
     @property
     def personalized(self) -> bool:
@@ -95,6 +98,12 @@ class Scenario:
     def client_test_indices(self, task: int, client: int) -> np.ndarray | None:
         """The client's local test indices (train split) of `task`, or None when the scenario has none."""
         return None if self.client_test is None else self.client_test[task][client]
+
+    def client_domain(self, client: int) -> ImageDomain | None:
+        """The image domain of `client`'s training images and of its own (client, task) test images (None: none)."""
+        if self.domains is None or not self.domains[client].steps:
+            return None
+        return self.domains[client]
 
     def client_indices(self, task: int, client: int) -> np.ndarray:
         return self.client_train[task][client]
@@ -143,6 +152,8 @@ class Scenario:
             out["class_groups"] = self.class_groups
         if self.upper_bound is not None:
             out["upper_bound"] = self.upper_bound
+        if self.domains is not None:
+            out["client_domains"] = [d.to_json() for d in self.domains]
         if self.schedule is not None:
             out.update(kind=self.kind, schedule=self.schedule, owners=[list(o) for o in self.owners or []])
         return out
@@ -169,6 +180,7 @@ class Scenario:
                 else None
             ),
             upper_bound=d.get("upper_bound"),
+            domains=[ImageDomain.from_json(x) for x in d["client_domains"]] if d.get("client_domains") else None,
         )
 
     def save(self, path: Path, train_targets: np.ndarray | None = None) -> None:
@@ -248,7 +260,17 @@ def build_scenario(
     cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
 ) -> Scenario:
     """The scenario family `cfg.kind` names (the one dispatch point for scenario builders), in its centralized or
-    joint upper-bound form when `cfg.upper_bound` is set (`promptfcl.scenario.upper_bound`)."""
+    joint upper-bound form when `cfg.upper_bound` is set (`promptfcl.scenario.upper_bound`), with each client's
+    image domain when `cfg.domains` is set (`promptfcl.data.domains`)."""
+    scenario = _build_family(cfg, train_targets, test_targets, num_classes, seed)
+    if cfg.domains is not None:
+        scenario.domains = draw_domains(cfg.domains, scenario.num_clients, seed)
+    return scenario
+
+
+def _build_family(
+    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
+) -> Scenario:
     if cfg.upper_bound is not None:
         from promptfcl.scenario.upper_bound import upper_bound_scenario
 

@@ -108,7 +108,7 @@ class MixtureSampler:
 
     Class c ~ Cat(ω) with ω_c ∝ Σ_m n_{m,c} (`class_weights="counts"`, HGP paper Eq. 6) or uniform (HGP
     code); component m ~ Cat(π_{·,c}) with π ∝ n_{m,c}; feature ~ N(μ, scale·Σ + eps·I). The spread is
-    inflated by `variance_scale` (3 in HGP's code) before sampling.
+    inflated by `variance_scale` (3 in HGP for diagonal spreads) before sampling.
     """
 
     def __init__(

@@ -55,10 +55,13 @@ def train_compensation(
     diagnostic_samples: int | None = None,
 ) -> dict[str, float]:
     """Adam on the prompts only; `index_of[logit]` is the prompt / Gaussian row of a sample's class (−1: no global
-    statistics, sample skipped). Returns the mean NLL before and after training on the first
-    `diagnostic_samples` samples (all when None; 0 skips the measurement)."""
+    statistics, sample skipped). Returns, on the first `diagnostic_samples` samples (all when None; 0 skips the
+    measurement), the mean NLL under the global Gaussians of the unprompted feature q(x) (`lcdc_nll_unprompted`,
+    what LCDC must improve on), of the feature with the freshly initialised prompts (`lcdc_nll_before`) and with
+    the trained ones (`lcdc_nll_after`)."""
     n = len(data) if diagnostic_samples is None else min(diagnostic_samples, len(data))
-    probe = LabeledSubset(data.split, data.indices[:n], data.targets[:n])
+    probe = data.head(n)
+    unprompted = mean_nll(backbone, None, probe, index_of, mean, var, transform, device, eps) if n else None
     before = mean_nll(backbone, prompts, probe, index_of, mean, var, transform, device, eps) if n else float("nan")
     opt = torch.optim.Adam(prompts.parameters(), lr=lr)
     scaler = LossScaler(backbone.precision, device)  # fp16: loss scaling through the backbone
@@ -75,4 +78,6 @@ def train_compensation(
             scaler.backward(loss)
             scaler.step(opt, prompts.parameters(), None)
     after = mean_nll(backbone, prompts, probe, index_of, mean.cpu(), var.cpu(), transform, device, eps) if n else None
-    return {} if after is None else {"lcdc_nll_before": before, "lcdc_nll_after": after}
+    if after is None or unprompted is None:
+        return {}
+    return {"lcdc_nll_unprompted": unprompted, "lcdc_nll_before": before, "lcdc_nll_after": after}

@@ -1,9 +1,12 @@
 """Server-side classifier retraining on sampled features (HGP's rebalancing, CCVR's calibration).
 
-Only the linear head is updated. Each epoch draws N = `samples_per_class` × #classes fresh features from the
-sampler and takes ⌈N / `batch_size`⌉ SGD steps over them (HGP: 256 per class and batch 256, so one step per
-class). Loss: CE over the allowed logits; with `logit_norm_temperature=τ` the allowed logits are first divided
-by their L2 norm and by τ (HGP code; SLCA-style logit normalisation).
+Only the rows of the linear head that belong to the allowed logits are updated: they are optimised as a copy
+and written back, so weight decay and momentum cannot touch the other rows (fed-mammoth's CR_cur / CR_old
+slice the head the same way; SGD weight decay over the whole head would shrink the other rows too). Each
+epoch draws N = `samples_per_class` × #classes fresh features from the sampler and takes ⌈N / `batch_size`⌉
+SGD steps over them (HGP: 256 per class and batch 256, so one step per class). Loss: CE over the allowed
+logits; with `logit_norm_temperature=τ` the allowed logits are first divided by their L2 norm and by τ (HGP
+code; SLCA-style logit normalisation).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def calibrate_head(
     gen: torch.Generator,
     device: torch.device,
 ) -> dict[str, float]:
-    """Retrain `head` in place with SGD on features drawn from `sampler`; returns the last epoch's mean loss.
+    """Retrain the `allowed_logits` rows of `head` in place with SGD on features drawn from `sampler`; returns the
+    last epoch's mean loss. The other rows are left exactly as they were.
 
     `allowed_logits` (long ids) are the logits that compete (e.g. all seen classes); every sampled class must be
     among them.
@@ -58,9 +62,11 @@ def calibrate_head(
     steps = p.epochs * math.ceil(n / p.batch_size)
     if steps == 0:
         return {"calibration_loss": float("nan")}
-    opt = torch.optim.SGD(head.parameters(), lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    weight = nn.Parameter(head.weight.detach()[allowed].clone())  # (len(allowed), d): the rows that compete
+    bias = None if head.bias is None else nn.Parameter(head.bias.detach()[allowed].clone())
+    params = [weight] if bias is None else [weight, bias]
+    opt = torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps) if p.schedule == "cosine" else None
-    head.train()
     last = 0.0
     for _ in range(p.epochs):
         feats, labels = sampler.sample(n, gen)
@@ -70,7 +76,7 @@ def calibrate_head(
         feats = feats.to(device)
         total = 0.0
         for s in range(0, n, p.batch_size):
-            logits = head(feats[s : s + p.batch_size])[:, allowed]
+            logits = F.linear(feats[s : s + p.batch_size], weight, bias)
             if p.logit_norm_temperature is not None:
                 logits = normalized_logits(logits, p.logit_norm_temperature)
             loss = F.cross_entropy(logits, targets[s : s + p.batch_size])
@@ -81,5 +87,8 @@ def calibrate_head(
                 sched.step()
             total += float(loss.detach()) * len(logits)
         last = total / n
-    head.eval()
+    with torch.no_grad():
+        head.weight[allowed] = weight.detach()
+        if bias is not None:
+            head.bias[allowed] = bias.detach()
     return {"calibration_loss": last}

@@ -1,0 +1,167 @@
+"""Claims: each paper's headline comparison as a paired test over seeds, written to a Markdown table.
+
+A claims file (YAML) lists claims; each names a study directory (relative to the claims file), the cell the paper
+says is better, the cell it beats, and the summary metric:
+
+```yaml
+title: CPU-scale evidence
+claims:
+  - id: hgp
+    paper: "HGP (Salami et al.), Table 1: HGP 90.16 vs CCVR 65.30 FAA, CIFAR-100, β = 0.05"
+    study: ../benchmarks/results/evidence_cpu
+    better: hgp
+    worse: ccvr
+    metric: faa
+    diagnosis: "why, when not reproduced (a mechanism-level finding, with where its evidence is)"
+```
+
+For every claim: the per-seed difference better − worse over the seeds both cells finished, its mean, the 95 %
+Student-t interval and the count of seeds favouring `better` (`statistics.paired`), and a status —
+- `invalid`: a run of either cell failed the validity gate (`evaluation.validity`); the difference is shown but
+  cannot support the claim;
+- `reproduced`: the interval lies above 0; `not reproduced`: it lies below 0 (the opposite ordering holds);
+- `inconclusive`: it contains 0, or fewer than `min_seeds` seeds are paired.
+Values are read from the committed study summaries (`summary.json`: per-seed values and validity), never typed in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from promptfcl.config import ConfigError, StrictModel, read_yaml
+from promptfcl.statistics.paired import PairedDifference, paired_difference
+
+
+class Claim(StrictModel):
+    """One paper claim: `better` beats `worse` on `metric` in the study at `study`."""
+
+    id: str
+    paper: str
+    study: str | None = None
+    better: str
+    worse: str
+    metric: str = "faa"
+    lower_is_better: bool = False
+    diagnosis: str | None = None
+    unavailable: str | None = Field(
+        None, description="why no valid evidence can be produced here (the claim is then `invalid` with this reason)"
+    )
+
+
+class ClaimsFile(StrictModel):
+    """The claims of a document and the least number of paired seeds a verdict needs."""
+
+    title: str = "Claims"
+    min_seeds: int = Field(5, ge=2)
+    claims: list[Claim] = Field(min_length=1)
+
+
+def load_claims(path: str | Path) -> tuple[ClaimsFile, Path]:
+    from pydantic import ValidationError
+
+    from promptfcl.config import format_validation_error
+
+    try:
+        return ClaimsFile.model_validate(read_yaml(path)), Path(path).resolve().parent
+    except ValidationError as err:
+        lines = format_validation_error(err, ClaimsFile)
+        raise ConfigError(f"invalid claims file {path}:\n  " + "\n  ".join(lines)) from None
+
+
+def _row(summary: dict[str, Any], cell: str, where: Path) -> dict[str, Any]:
+    for row in summary["rows"]:
+        if row["cell"] == cell:
+            return row
+    cells = ", ".join(r["cell"] for r in summary["rows"])
+    raise ConfigError(f"{where}: no cell {cell!r} in its summary.json (cells: {cells})")
+
+
+def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, Any]:
+    """The claim's paired difference, status and the cells' failed validity checks, from the study summary."""
+    if claim.unavailable or claim.study is None:
+        reason = claim.unavailable or "no study named"
+        return {"claim": claim.model_dump(), "failed": {}, "difference": None, "status": "invalid", "reason": reason}
+    where = (base / claim.study).resolve()
+    path = where / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"claim {claim.id}: {path} not found; run the study first (promptfcl study …)")
+    summary = json.loads(path.read_text())
+    rows = {c: _row(summary, c, where) for c in (claim.better, claim.worse)}
+    values: dict[str, dict[int, float]] = {}
+    for cell, row in rows.items():
+        per_seed = row.get("per_seed") or {}
+        values[cell] = {int(s): v[claim.metric] for s, v in per_seed.items() if v.get(claim.metric) is not None}
+    sign = -1.0 if claim.lower_is_better else 1.0
+    a = {s: sign * v for s, v in values[claim.better].items()}
+    b = {s: sign * v for s, v in values[claim.worse].items()}
+    failed = {c: {s: f for s, f in (rows[c].get("invalid") or {}).items()} for c in rows}
+    out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None}
+    try:
+        diff = paired_difference(a, b)
+    except ValueError as e:
+        out.update(status="inconclusive", reason=str(e))
+        return out
+    out["difference"] = diff
+    if any(failed.values()):
+        out["status"] = "invalid"
+    elif diff.n < min_seeds:
+        out["status"] = "inconclusive"
+        out["reason"] = f"{diff.n} paired seeds (needs {min_seeds})"
+    else:
+        out["status"] = "reproduced" if diff.low > 0 else "not reproduced" if diff.high < 0 else "inconclusive"
+    return out
+
+
+def _fmt_diff(d: PairedDifference | None) -> str:
+    return "–" if d is None else f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
+
+
+def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
+    """The claims document: one table row per claim, then per-claim details (seeds, failed checks, diagnosis)."""
+    results = [evaluate_claim(c, base, claims.min_seeds) for c in claims.claims]
+    lines = [
+        f"# {claims.title}",
+        "",
+        f"Generated by `promptfcl claims {source}` from the committed study summaries — do not edit by hand.",
+        "Difference = the advantage of the paper's better cell over the cell it beats (better − worse; worse − "
+        "better where lower is better), per seed, its mean and 95 % Student-t interval; a verdict needs "
+        f"≥ {claims.min_seeds} paired seeds and every run of both cells passing the validity gate.",
+        "",
+        "| claim | paper | cells (better vs worse) | metric | difference [95 % CI] | seeds favouring | status |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        c, d = r["claim"], r["difference"]
+        favour = f"{d.positive}/{d.n}" if d is not None else "–"
+        lines.append(
+            f"| {c['id']} | {c['paper']} | `{c['better']}` vs `{c['worse']}` | {c['metric']} | "
+            f"{_fmt_diff(d)} | {favour} | **{r['status']}** |"
+        )
+    lines.append("")
+    for r in results:
+        c, d = r["claim"], r["difference"]
+        lines += [f"## {c['id']}", "", f"Study: `{c['study']}`." if c["study"] else "No study."]
+        if d is not None:
+            per = ", ".join(f"seed {s}: {x:+.2f}" for s, x in zip(d.seeds, d.differences, strict=True))
+            lines.append(f"Per-seed advantage ({c['metric']}): {per}.")
+        if r.get("reason"):
+            lines.append(f"{r['status'].capitalize()} because: {r['reason']}.")
+        for cell, seeds in r["failed"].items():
+            for seed, checks in seeds.items():
+                lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")
+        if c.get("diagnosis"):
+            lines += ["", c["diagnosis"].strip()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_claims(path: str | Path, out: str | Path) -> str:
+    claims, base = load_claims(path)
+    text = claims_markdown(claims, base, str(path))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    return text

@@ -1,0 +1,329 @@
+"""LoRM: Closed-form merging of parameter-efficient modules for Federated Continual Learning.
+
+Salami, Buzzega, Mosconi, Bonato, Sabetta, Calderara, ICLR 2025 (arXiv 2410.17961), with the official code
+(aimagelab/fed-mammoth `_models/lorm.py` on `_models/lora_pre.py` + `_models/regmean.py`). The paper's body was
+not available to us: [P] marks its abstract, [N] secondary summaries of it, [C] the official code, [H] the HGP
+paper's Appendix H (same authors, LoRM run as a competitor), [I] our inference where all are silent.
+
+Algorithm (per task t, rounds r = 0..R−1):
+1. Server, start of task: a fresh LoRA module per adapted projection, A_t Kaiming-uniform, B_t = 0 [C]. Every
+   block's qkv, attn.proj, mlp.fc1, mlp.fc2 is adapted [C]; ΔW = B·A (rank 16 [C]; LoRA's α unused, scale 1 [C]).
+2. Clients train ONE factor per round, alternating, B first (round 0: B, round 1: A, ...) [P abstract][C], plus
+   the linear head, with CE over the current task's logits (task-specific head slices [N][C]). The training
+   forward is W0 + B_t·A_t only: each task's module is learned from the pre-trained weights [C].
+3. Clients upload the trained factor, the head and the Gram matrices of the inputs of every adapted projection
+   and of the head, computed in one no-grad pass on their task data with the trained module [C]; RegMean's
+   regularisation G ← γ·G + (1−γ)·diag(G) is applied on the client, γ_backbone = 0 (only the diagonal)
+   and γ_head = 0.5 [H: γ = (0, 0.5), CUB-200 (0, 0.3); N: "only diagonal elements of the Gram matrices"].
+4. Server merges in closed form (RegMean solved for one unknown) [P][C]: B rounds, A shared:
+   B* = (Σ_k B_k·A·G_k·Aᵀ)(A·(Σ_k G_k)·Aᵀ)⁺; A rounds, B shared: A* = (Σ_k A_k·G_k)(Σ_k G_k)⁺; head weight
+   W* = (Σ_k W_k·H_k)(Σ_k H_k)⁺, bias sample-weighted FedAvg [C]. float64, pseudo-inverse [C].
+5. End of task: clients recompute the Grams G_{t,k} on their task data with the merged module; the server merges
+   the tasks' full residual weights with RegMean [N: "applying its formulation directly to the full residual
+   weights"][C]: ΔW* = (Σ_{τ≤t} B_τ·A_τ·G_τ)(Σ_{τ≤t} G_τ)⁺, G_τ = Σ_k G_{τ,k}. The evaluated model is
+   W0 + ΔW* with the head. ΔW* is kept low-rank: [B_1 … B_t]·[A_1·G_1; …; A_t·G_t]·(Σ G_τ)⁺ (rank ≤ t·r).
+
+Switches (→ default, and why):
+- `gram_decay_backbone` 0.0 [H][N] | 0.5 (the code's default `alpha_regmean_backbone = alpha_regmean_head`).
+- `gram_model`: "current" (Grams under W0 + this task's module, RegMean's definition of each candidate's
+  inputs) [I] | "running_mean" (the code: W0 + (Σ_{τ<t} B_τA_τ + B·A)/(t+1), its "filler" evaluation model,
+  which needs the previous tasks' factors sent down) → "current"; the paper's choice is unknown to us.
+- `train_matrix`: "alternate" (LoRM) | "A" | "B" (the code's ablations: one factor only, averaged the same way).
+- `gram_upload_dtype`: float32 (the code's default `gram_dtype`) | float64. Grams are accumulated in float64.
+Hyper-parameters: AdamW lr 3e-4, weight decay 0.1 (on the whole head, so older tasks' rows shrink a little every
+step, as in the code), no gradient clipping, batch 16, 5 local epochs, 5 rounds per task [C][N]; [H] gives
+per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
+Communication (what travels, counted by the Grid): down A, B, head (+ previous factors for "running_mean");
+up the trained factor, head, the head Gram (d×d) and each adapted projection's Gram — its diagonal (n,) when
+γ_backbone = 0 (the code ships the full n×n matrix with zeroed off-diagonals; the merge is identical); the
+end-of-task exchange adds a second down/up of the module and the Grams, in the task's last round.
+Deviations: robust aggregation rules and norm screening are not offered (closed-form merge); with `every_round`
+evaluation, rounds before a task's end are evaluated with the previous tasks' merge and the current module is
+not part of it until the task ends [I] (the code evaluates a running-mean "filler").
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
+from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta
+from promptfcl.federation.aggregation import project_gram, regmean, regularize_gram, weighted_mean
+from promptfcl.federation.message import Message, Record
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.validation import ReplySchema, TensorSpec
+from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
+from promptfcl.methods.registry import register_method
+from promptfcl.model import PromptedClassifier
+from promptfcl.seeding import torch_generator
+from promptfcl.statistics.gram import input_grams
+from promptfcl.training.local import LocalTrainingParams
+
+GRAM = "gram/"
+OLD = "old/"
+PAST = "past/"
+
+
+class LoRMParams(LocalTrainingParams):
+    """LoRM defaults (official code; γ from the HGP paper's Appendix H)."""
+
+    optimizer: Literal["adam", "adamw", "sgd"] = "adamw"
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+    rank: int = Field(16, ge=1, description="LoRA rank r of every adapted projection")
+    layers: list[int] | None = Field(None, description="blocks to adapt (null: all)")
+    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), description="projections to adapt")
+    lora_scale: float = Field(1.0, gt=0, description="ΔW = scale·B·A")
+    train_matrix: Literal["alternate", "A", "B"] = "alternate"
+    gram_decay_backbone: float = Field(0.0, ge=0, le=1, description="γ for the adapted projections' Grams")
+    gram_decay_head: float = Field(0.5, ge=0, le=1, description="γ for the head's Gram")
+    gram_model: Literal["current", "running_mean"] = "current"
+    gram_upload_dtype: Literal["float32", "float64"] = "float32"
+    weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the head bias")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LoRMParams:
+        if self.optimizer_reset != "round":
+            raise ValueError(
+                "LoRM trains a different factor every round, so its optimizer cannot carry over: "
+                "set optimizer_reset: round"
+            )
+        return self
+
+
+def build_model(env: MethodEnv, p: LoRMParams) -> PromptedClassifier:
+    adapter = LoRAAdapter(env.backbone, p.layers, p.targets, p.rank, p.lora_scale)
+    return PromptedClassifier(env.backbone, env.label_space.num_logits, adapter)
+
+
+def trained_factor(p: LoRMParams, rnd: int) -> str:
+    """The factor trained and merged in round `rnd` of a task: B, A, B, ... (alternate) or always one."""
+    if p.train_matrix != "alternate":
+        return p.train_matrix
+    return "B" if rnd % 2 == 0 else "A"
+
+
+def factor_names(model: PromptedClassifier, factor: str) -> list[str]:
+    return [k for k in model.state_dict() if k.startswith(f"prompt.{factor.lower()}.")]
+
+
+def old_factor_tensors(past: list[dict[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """The previous tasks' (A_τ, B_τ) as message tensors `old/<τ>/<a|b>/<site>` (running-mean Grams only)."""
+    return {f"{OLD}{t}/{f}/{k}": v for t, task in enumerate(past) for f in ("a", "b") for k, v in task[f].items()}
+
+
+class LoRMClient(SupervisedClient):
+    """Trains the round's factor and the head, then uploads them with the Gram matrices of its data."""
+
+    message_kinds: ClassVar[tuple[str, ...]] = ("train", "gram")
+
+    def handle(self, message: Message, ctx: ClientContext) -> Message:
+        model = self.model
+        model.set_state({k: message.tensors[k] for k in model.state_dict()})
+        if message.kind == "gram":
+            return Message(self.grams(model, message, ctx), {"num_samples": len(ctx.train_data)}, kind="gram_reply")
+        if message.kind != "train":
+            raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
+        factor = str(message.scalars["factor"])
+        model.prompt.set_trainable(factor)
+        stats = self.train(model, ctx, message)
+        model.prompt.set_trainable("both")
+        state = model.get_state()
+        out = {k: state[k] for k in factor_names(model, factor) + ["head.weight", "head.bias"]}
+        out.update(self.grams(model, message, ctx))
+        return Message(out, {"num_samples": len(ctx.train_data), **loss_scalars(stats)}, kind="train_reply")
+
+    def grams(self, model: PromptedClassifier, message: Message, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        """The regularised Gram of every adapted projection's inputs (diagonal when γ = 0) and of the head's."""
+        p, backbone = self.params, self.env.backbone
+        sites: list[Site] = model.prompt.sites
+        dtype = torch.float32 if p.gram_upload_dtype == "float32" else torch.float64
+        diagonal = p.gram_decay_backbone == 0
+        if len(ctx.train_data) == 0:  # nothing to summarise: zero Grams keep the reply's shape
+            d = backbone.embed_dim
+            out = {}
+            for s in sites:
+                n = site_weight(backbone, s).weight.shape[1]
+                out[GRAM + site_key(s)] = torch.zeros((n,) if diagonal else (n, n), dtype=dtype)
+            return {**out, GRAM + "head": torch.zeros(d, d, dtype=dtype)}
+        spec = model.prompt()
+        if p.gram_model == "running_mean" and ctx.task > 0:  # the code's "filler": mean of all tasks' deltas
+            t = ctx.task
+            deltas = {}
+            for s in sites:
+                k, cur = site_key(s), model.prompt.deltas()[s]
+                old = [
+                    LoRADelta(message.tensors[f"{OLD}{i}/a/{k}"], message.tensors[f"{OLD}{i}/b/{k}"]) for i in range(t)
+                ]
+                total = cur
+                for d in old:
+                    total = total.plus(LoRADelta(d.a, d.b, p.lora_scale))
+                deltas[s] = LoRADelta(total.a, total.b, 1.0 / (t + 1))
+            spec = lora_spec(deltas)
+        modules = {site_key(s): site_weight(backbone, s) for s in sites}
+        grams, head = input_grams(
+            lambda x: backbone(x, spec), modules, ctx.train_data, self.env.eval_transform, ctx.device, diagonal
+        )
+        out = {GRAM + k: regularize_gram(g, p.gram_decay_backbone).to(dtype) for k, g in grams.items()}
+        assert head is not None
+        out[GRAM + "head"] = regularize_gram(head, p.gram_decay_head).to(dtype)
+        return out
+
+
+class LoRMServer(FedAvgServer):
+    """Alternating closed-form merges across clients; RegMean of the tasks' residual weights across tasks."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.task_started = -1
+        # per completed task: {"a": {site: A_τ}, "b": {site: B_τ}, "ag": {site: A_τ·G_τ}}; running Σ_τ G_τ
+        self.past: list[dict[str, dict[str, torch.Tensor]]] = []
+        self.gram_sum: dict[str, torch.Tensor] = {}
+        self._eval: nn.Module | None = None
+
+    @property
+    def adapter(self) -> LoRAAdapter:
+        return self.model.prompt
+
+    def begin_task(self, task: int) -> None:
+        if task != self.task_started:  # idempotent on resume: the module of a started task is kept
+            self.adapter.reset(torch_generator(self.env.seed, "lorm", "init", task))
+            self.task_started = task
+
+    def downlink(self, info: RoundInfo) -> Message:
+        tensors = self.model.get_state()
+        if self.params.gram_model == "running_mean":
+            tensors.update(old_factor_tensors(self.past))
+        return Message(tensors, {"factor": trained_factor(self.params, info.round)}, kind="train")
+
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        self.round_info = info
+        replies = grid.broadcast(info.participants, self.downlink(info))
+        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+        metrics = {**round_loss(usable), "clients": len(usable)}
+        if usable:
+            self.merge_clients(usable, trained_factor(self.params, info.round))
+        if info.round == int(self.env.extras.get("rounds_per_task", 1)) - 1:
+            metrics.update(self.merge_task(grid, info))
+        return metrics
+
+    def merge_clients(self, replies: dict[int, Message], factor: str) -> None:
+        """Step 4: the trained factor and the head weight by closed form, the head bias by FedAvg."""
+        state = self.model.get_state()
+        grams = {k: [r.tensors[GRAM + k] for r in replies.values()] for k in map(site_key, self.adapter.sites)}
+        for key in self.adapter.sites:
+            k = site_key(key)
+            name = f"prompt.{factor.lower()}.{k}"
+            ws = [r.tensors[name] for r in replies.values()]
+            if factor == "A":  # B shared: A* = (Σ A_k G_k)(Σ G_k)⁺
+                state[name] = regmean(ws, grams[k])
+            else:  # A shared: B* = (Σ B_k A G_k Aᵀ)(A (Σ G_k) Aᵀ)⁺
+                a = state[f"prompt.a.{k}"]
+                state[name] = regmean(ws, [project_gram(a, g) for g in grams[k]])
+        heads = [r.tensors[GRAM + "head"] for r in replies.values()]
+        state["head.weight"] = regmean([r.tensors["head.weight"] for r in replies.values()], heads)
+        weights = [r.scalars["num_samples"] for r in replies.values()] if self.params.weighting == "samples" else None
+        state["head.bias"] = weighted_mean([{"b": r.tensors["head.bias"]} for r in replies.values()], weights)["b"]
+        self.model.set_state(state)
+        self._eval = None
+
+    def merge_task(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Step 5: Grams of the task's data under the merged module, then RegMean across tasks."""
+        msg = Message(self.model.get_state(), kind="gram")
+        if self.params.gram_model == "running_mean":
+            msg.tensors.update(old_factor_tensors(self.past))
+        replies = grid.broadcast(info.participants, msg)
+        usable = [r for c, r in sorted(replies.items()) if r.scalars.get("num_samples", 0) > 0]
+        if not usable:
+            return {"task_merged": 0}
+        state = self.model.get_state()
+        task: dict[str, dict[str, torch.Tensor]] = {"a": {}, "b": {}, "ag": {}}
+        for s in self.adapter.sites:
+            k = site_key(s)
+            g = torch.stack([r.tensors[GRAM + k].double() for r in usable]).sum(0)
+            a = state[f"prompt.a.{k}"].double()
+            task["a"][k], task["b"][k] = state[f"prompt.a.{k}"].clone(), state[f"prompt.b.{k}"].clone()
+            task["ag"][k] = a * g if g.dim() == 1 else a @ g
+            self.gram_sum[k] = g if k not in self.gram_sum else self.gram_sum[k] + g
+        self.past.append(task)
+        self._eval = None
+        return {"task_merged": 1}
+
+    def merged_deltas(self) -> dict[Site, LoRADelta]:
+        """ΔW* = [s·B_1 … s·B_t]·([A_1G_1; …; A_tG_t]·(Σ G_τ)⁺) per site, float32."""
+        out = {}
+        for s in self.adapter.sites:
+            k = site_key(s)
+            b = torch.cat([t["b"][k].double() for t in self.past], dim=1) * self.params.lora_scale
+            ag = torch.cat([t["ag"][k] for t in self.past], dim=0)
+            g = self.gram_sum[k]
+            if g.dim() == 1:
+                a = ag * torch.where(g > 0, 1.0 / g.clamp_min(1e-300), torch.zeros_like(g))
+            else:
+                a = ag @ torch.linalg.pinv(g, hermitian=True)
+            out[s] = LoRADelta(a.float(), b.float())
+        return out
+
+    def global_model(self) -> nn.Module:
+        if not self.past:
+            return self.model
+        if self._eval is None:
+            model = PromptedClassifier(self.env.backbone, self.env.label_space.num_logits, None)
+            model.prompt = FixedDeltas(self.merged_deltas())
+            model.head = self.model.head
+            self._eval = model.to(self.env.device)
+        return self._eval
+
+    def reply_schema(self, message: Message) -> ReplySchema | None:
+        backbone, sites = self.env.backbone, self.adapter.sites
+        dtype = torch.float32 if self.params.gram_upload_dtype == "float32" else torch.float64
+        grams = {}
+        for s in sites:
+            n = int(site_weight(backbone, s).weight.shape[1])
+            shape = (n,) if self.params.gram_decay_backbone == 0 else (n, n)
+            grams[GRAM + site_key(s)] = TensorSpec(shape, dtype)
+        d = backbone.embed_dim
+        grams[GRAM + "head"] = TensorSpec((d, d), dtype)
+        if message.kind == "gram":
+            return ReplySchema(grams, scalars={"num_samples": (int,)}, closed=True)
+        if message.kind != "train":
+            return None
+        state = self.model.state_dict()
+        names = factor_names(self.model, str(message.scalars["factor"])) + ["head.weight", "head.bias"]
+        required = {k: TensorSpec.like(state[k]) for k in names}
+        return ReplySchema({**required, **grams}, scalars={"num_samples": (int,), "loss": (int, float)}, closed=True)
+
+    def state(self) -> Record:
+        tensors = self.model.get_state()
+        for t, task in enumerate(self.past):
+            for f, group in task.items():
+                tensors.update({f"{PAST}{t}/{f}/{k}": v for k, v in group.items()})
+        tensors.update({f"{PAST}gram_sum/{k}": v for k, v in self.gram_sum.items()})
+        return Record(tensors, {"lorm_task_started": self.task_started, "lorm_tasks_merged": len(self.past)})
+
+    def load_state(self, state: Record) -> None:
+        t = state.tensors
+        self.model.set_state({k: v for k, v in t.items() if not k.startswith(PAST)})
+        n = int(state.scalars.get("lorm_tasks_merged", 0))
+        keys = [site_key(s) for s in self.adapter.sites]
+        self.past = [{f: {k: t[f"{PAST}{i}/{f}/{k}"] for k in keys} for f in ("a", "b", "ag")} for i in range(n)]
+        self.gram_sum = {k: t[f"{PAST}gram_sum/{k}"] for k in keys if f"{PAST}gram_sum/{k}" in t}
+        self.task_started = int(state.scalars.get("lorm_task_started", -1))
+        self._eval = None
+
+
+register_method(
+    "lorm",
+    LoRMParams,
+    LoRMServer,
+    LoRMClient,
+    build_model,
+    "LoRA on every projection, one factor per round merged in closed form (RegMean), tasks merged by RegMean",
+    "LoRM (Salami et al., ICLR 2025)",
+    scenario_kinds=("class_incremental", "long_tailed"),
+)

@@ -1,0 +1,103 @@
+"""Claims: paired differences over seeds with a Student-t interval, statuses, and the study's frozen-probe row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from promptfcl.claims import claims_markdown, evaluate_claim, load_claims
+from promptfcl.cli import main
+from promptfcl.statistics.paired import paired_difference, t_quantile
+
+from .conftest import tiny_raw
+
+
+def test_paired_difference_matches_a_hand_computed_interval() -> None:
+    # d = (2, 3, 2): mean 7/3, s = sqrt(1/3), se = 1/3, t_{0.975, 2} = 4.302653 → half width 1.434218
+    d = paired_difference({0: 3.0, 1: 5.0, 2: 4.0, 9: 1.0}, {0: 1.0, 1: 2.0, 2: 2.0})  # seed 9 is unpaired
+    assert d.seeds == [0, 1, 2] and d.differences == [2.0, 3.0, 2.0] and d.positive == 3
+    assert d.mean == pytest.approx(7 / 3)
+    assert d.low == pytest.approx(7 / 3 - 1.434218, abs=1e-6) and d.high == pytest.approx(7 / 3 + 1.434218, abs=1e-6)
+    for df, t in [(1, 12.7062), (4, 2.7764), (9, 2.2622), (30, 2.0423)]:
+        assert t_quantile(0.975, df) == pytest.approx(t, abs=1e-4)
+    with pytest.raises(ValueError, match="at least 2"):
+        paired_difference({0: 1.0}, {0: 0.0})
+
+
+def _summary(tmp_path, a: list[float], b: list[float], invalid: dict | None = None) -> None:
+    rows = [
+        {"cell": "new", "per_seed": {str(s): {"faa": v} for s, v in enumerate(a)}, "invalid": invalid or {}},
+        {"cell": "old", "per_seed": {str(s): {"faa": v} for s, v in enumerate(b)}, "invalid": {}},
+    ]
+    (tmp_path / "study").mkdir(exist_ok=True)
+    (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "claims.yaml").write_text(
+        yaml.safe_dump(
+            {"claims": [{"id": "c", "paper": "P, Table 1", "study": "study", "better": "new", "worse": "old"}]}
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "invalid", "status"),
+    [
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, "reproduced"),
+        ([1, 2, 2, 1, 3], [5, 6, 7, 6, 5], None, "not reproduced"),
+        ([5, 1, 6, 2, 4], [3, 4, 3, 4, 3], None, "inconclusive"),
+        ([5, 6, 7], [1, 2, 2], None, "inconclusive"),  # 3 seeds < min_seeds 5
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": ["client_loss"]}, "invalid"),
+    ],
+)
+def test_claim_status(tmp_path, a, b, invalid, status) -> None:
+    _summary(tmp_path, a, b, invalid)
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base, claims.min_seeds)
+    assert result["status"] == status
+    text = claims_markdown(claims, base, "claims.yaml")
+    assert f"**{status}**" in text and "`new` vs `old`" in text
+    if invalid:
+        assert "seed 2 failed the validity gate: client_loss" in text
+
+
+def test_a_claim_that_cannot_be_evidenced_here_is_invalid_with_its_reason(tmp_path) -> None:
+    (tmp_path / "claims.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "claims": [
+                    {
+                        "id": "capt",
+                        "paper": "CAPT",
+                        "better": "capt",
+                        "worse": "maple",
+                        "unavailable": "no pretrained CLIP text tower",
+                    }
+                ]
+            }
+        )  # fmt: skip
+    )
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    assert evaluate_claim(claims.claims[0], base)["status"] == "invalid"
+    assert "Invalid because: no pretrained CLIP text tower." in claims_markdown(claims, base, "c.yaml")
+
+
+@pytest.mark.slow
+def test_study_probe_row_and_claims_from_its_summary(tmp_path) -> None:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_tasks": 2, "rounds_per_task": 1})))
+    study = {"name": "mini", "base": "base.yaml", "seeds": [0, 1], "cells": {"run": {}, "probe": {"probe": True}}}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    out = tmp_path / "out"
+    assert main(["study", str(tmp_path / "study.yaml"), "--out", str(out), "--no-report"]) == 0
+    rows = {r["cell"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    probe = rows["probe"]
+    assert probe["upper_bound"] == "frozen_probe" and probe["invalid"] == {} and probe["valid_seeds"] == 2
+    metrics = json.loads((out / "probe" / "seed0" / "metrics.json").read_text())
+    assert metrics["probe"]["classes"] == 6 and 0 <= metrics["summary"]["probe_linear"] <= 100
+    (tmp_path / "claims.yaml").write_text(
+        yaml.safe_dump(
+            {"min_seeds": 2, "claims": [{"id": "x", "paper": "p", "study": "out", "better": "probe", "worse": "run"}]}
+        )  # fmt: skip
+    )
+    assert main(["claims", str(tmp_path / "claims.yaml"), "--out", str(tmp_path / "claims.md")]) == 0
+    assert "**invalid**" in (tmp_path / "claims.md").read_text()  # the tiny runs use a random-init ViT

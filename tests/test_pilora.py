@@ -1,0 +1,169 @@
+"""PILoRA: the orthogonality term, the prototype re-weighting equation, incremental LoRA, prototype logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from promptfcl.adapters.incremental import IncrementalQVLoRA, orthogonality_loss
+from promptfcl.federation.aggregation import prototype_reweight
+from promptfcl.federation.message import Message
+from promptfcl.methods.pilora import PILoRAServer
+from promptfcl.runtime import Runtime
+from promptfcl.statistics import ClassStatistics
+
+from .conftest import tiny_config
+
+
+def orthonormal_rows(d: int, n: int, seed: int = 0) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed)))
+    return q[:, :n].T.contiguous()  # n orthonormal rows of length d
+
+
+def test_orthogonality_term_is_zero_only_for_orthogonal_subspaces() -> None:
+    rows = orthonormal_rows(12, 9)
+    old, cur = [rows[0:3], rows[3:6]], rows[6:9]  # three mutually orthogonal rank-3 subspaces
+    assert float(orthogonality_loss(cur * 2.5, old)) < 1e-5  # scale does not matter, only the subspaces
+    tilted = cur + 0.1 * old[1]
+    assert float(orthogonality_loss(tilted, old)) > 0.1
+    assert float(orthogonality_loss(cur, [])) == 0.0
+    # only the current A gets gradients: earlier tasks' A are fixed targets
+    a_old, a_cur = old[0].clone().requires_grad_(), tilted.clone().requires_grad_()
+    orthogonality_loss(a_cur, [a_old]).backward()
+    assert a_old.grad is None and a_cur.grad is not None and a_cur.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Runtime:
+    return Runtime.build(tiny_config(method={"name": "pilora", "layers": [0, 1], "rank": 2}))
+
+
+def test_module_orthogonality_uses_every_previous_task(runtime: Runtime) -> None:
+    lora = IncrementalQVLoRA(runtime.env.backbone, 3, [0, 1], rank=2)
+    d = runtime.env.backbone.embed_dim
+    with torch.no_grad():
+        for layer in (0, 1):
+            for f, seed in (("aq", 1), ("av", 2)):
+                rows = orthonormal_rows(d, 6, seed + layer)
+                for t in range(3):
+                    lora.factors[lora.key(f, t, layer)].copy_(rows[2 * t : 2 * t + 2])
+    lora.set_task(2)
+    assert float(lora.orthogonality().detach()) < 1e-5
+    with torch.no_grad():  # task 2's A_v in layer 1 leans towards task 0's: the term sees it
+        lora.factors[lora.key("av", 2, 1)].add_(0.2 * lora.factors[lora.key("av", 0, 1)])
+    assert float(lora.orthogonality().detach()) > 0.1
+    lora.set_task(0)
+    assert float(lora.orthogonality().detach()) == 0.0  # the first task has nothing to be orthogonal to
+
+
+def expected_reweight(protos: list[list[float]], feats: list[list[float]], tau: float) -> list[float]:
+    """The paper's equation, written out independently: s_k = 1/Σ_j ‖m_k − f_j‖, min-max, softmax(·/τ)."""
+    s = [1.0 / sum(math.dist(m, f) for f in feats) for m in protos]
+    lo, hi = min(s), max(s)
+    z = [math.exp((v - lo) / (hi - lo) / tau) for v in s]
+    return [v / sum(z) for v in z]
+
+
+def test_prototype_reweighting_follows_the_equation() -> None:
+    protos = [[0.0, 0.0], [1.0, 1.0], [3.0, -1.0]]
+    feats = [[0.9, 1.2], [1.4, 0.8]]
+    merged, w = prototype_reweight(torch.tensor(protos), torch.tensor(feats), 0.2)
+    want = expected_reweight(protos, feats, 0.2)
+    assert torch.allclose(w, torch.tensor(want, dtype=torch.float64), atol=1e-9)
+    assert int(w.argmax()) == 1  # the prototype nearest the clients' class features dominates
+    assert torch.allclose(merged, sum(wk * torch.tensor(m) for wk, m in zip(want, protos, strict=True)).float())
+    _, uniform = prototype_reweight(torch.tensor(protos), torch.zeros(0, 2), 0.2)
+    assert torch.allclose(uniform, torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
+def test_server_reweights_prototypes_and_averages_the_task_lora(runtime: Runtime) -> None:
+    server, _ = runtime.programs()
+    assert isinstance(server, PILoRAServer)
+    server.begin_task(1)
+    names = server.model.task_tensors(1)
+    state = server.model.get_state()
+    logits = runtime.env.label_space.tasks[1].logits
+    gen = torch.Generator().manual_seed(5)
+    replies, holders = {}, {0: [logits[0]], 1: [logits[0], logits[1]], 2: [logits[1]]}
+    for c, classes in holders.items():
+        tensors = {k: torch.randn(state[k].shape, generator=gen) for k in names}
+        d = state[names[-1]].shape[1]
+        stats = ClassStatistics(torch.tensor(classes), torch.ones(len(classes), dtype=torch.long),
+                                torch.randn(len(classes), d, generator=gen))  # fmt: skip
+        tensors.update(stats.to_tensors())
+        replies[c] = Message(tensors, {"num_samples": 4 + c, "loss": 1.0})
+    server.aggregate_task(replies, 1)
+    after = server.model.get_state()
+    n = torch.tensor([4.0, 5.0, 6.0])
+    for k in names[:-1]:  # the task's LoRA: sample-weighted FedAvg
+        want = sum(w * r.tensors[k] for w, r in zip(n / n.sum(), replies.values(), strict=True))
+        assert torch.allclose(after[k], want, atol=1e-6), k
+    for i, logit in enumerate(logits):  # the task's prototypes: re-weighted with the holders' class means
+        protos = [r.tensors["protos.1"][i].tolist() for r in replies.values()]
+        feats = [
+            r.tensors["stats/means"][r.tensors["stats/classes"] == logit][0].tolist()
+            for r in replies.values()
+            if logit in r.tensors["stats/classes"]
+        ]
+        w = expected_reweight(protos, feats, 0.2) if feats else [1 / 3] * 3
+        want = sum(wk * torch.tensor(m) for wk, m in zip(w, protos, strict=True))
+        assert torch.allclose(after["protos.1"][i], want.float(), atol=1e-5), logit
+    assert torch.equal(after["protos.0"], state["protos.0"])  # earlier tasks' prototypes stay as they were
+
+
+@pytest.mark.parametrize("mode", ["products", "factors"])
+def test_incremental_lora_sums_the_task_modules(runtime: Runtime, mode: str) -> None:
+    lora = IncrementalQVLoRA(runtime.env.backbone, 3, [1], rank=2, sum_mode=mode, train_with_old=False)
+    with torch.no_grad():
+        for p in lora.factors.values():
+            p.normal_()
+    lora.set_task(1)
+    d = runtime.env.backbone.embed_dim
+    f = {k: v.detach() for k, v in lora.factors.items()}
+    if mode == "products":
+        dq = sum(f[f"bq_{t}_1"] @ f[f"aq_{t}_1"] for t in (0, 1))
+        dv = sum(f[f"bv_{t}_1"] @ f[f"av_{t}_1"] for t in (0, 1))
+    else:
+        dq = sum(f[f"bq_{t}_1"] for t in (0, 1)) @ sum(f[f"aq_{t}_1"] for t in (0, 1))
+        dv = sum(f[f"bv_{t}_1"] for t in (0, 1)) @ sum(f[f"av_{t}_1"] for t in (0, 1))
+    lora.eval()
+    dense = lora().lora[1]["qkv"].dense().detach()
+    assert torch.allclose(dense[:d], dq, atol=1e-5) and torch.allclose(dense[2 * d :], dv, atol=1e-5)
+    assert torch.equal(dense[d : 2 * d], torch.zeros(d, d))  # keys are not adapted
+    lora.train()  # the official code trains the current task's module alone
+    alone = lora().lora[1]["qkv"].dense().detach()
+    assert torch.allclose(alone[:d], f["bq_1_1"] @ f["aq_1_1"], atol=1e-5)
+    assert [k for k, p in lora.factors.items() if p.requires_grad] == lora.task_keys(1)
+
+
+def test_prototype_logits_are_scaled_distances(runtime: Runtime) -> None:
+    server, _ = runtime.programs()
+    model = server.model
+    f = torch.randn(5, runtime.env.backbone.embed_dim)
+    protos = model.prototypes()
+    want = -((f.unsqueeze(1) - protos.unsqueeze(0)).pow(2).sum(-1) / f.shape[1]).sqrt()
+    assert torch.allclose(-model.distances(f), want, atol=1e-5)
+    assert torch.equal(protos[list(runtime.env.label_space.tasks[1].logits)], model.protos["1"].detach())
+
+
+@pytest.mark.slow
+def test_run_sends_only_seen_tasks_and_uploads_only_the_current_one(tmp_path) -> None:
+    from .test_hgp import recorded_run
+
+    method = {"name": "pilora", "layers": [0], "local_epochs": 3, "batch_size": 8, "lr": 1e-3, "proto_lr": 0.05}
+    exp, log = recorded_run(tiny_config(method=method), tmp_path)
+    for task, _, sent, replies in log:
+        msg = next(iter(sent.values()))
+        tasks_down = {int(k.split("_")[1]) for k in msg.tensors if k.startswith("prompt.factors.")}
+        assert tasks_down == set(range(task + 1))  # old tasks' LoRA (summed in), nothing of later tasks
+        assert {k for k in msg.tensors if k.startswith("protos.")} == {f"protos.{t}" for t in range(task + 1)}
+        for reply in replies.values():
+            up = {int(k.split("_")[1]) for k in reply.tensors if k.startswith("prompt.factors.")}
+            assert up == {task}
+            assert {k for k in reply.tensors if k.startswith("protos.")} == {f"protos.{task}"}
+            assert "stats/means" in reply.tensors  # the class means the re-weighting needs
+    rounds = exp.state["rounds"]
+    assert all(r["failures"] == [] for r in rounds)
+    assert exp.state["accuracy_matrix"][0][0] > 50  # nearest-prototype accuracy above chance (33 %)
