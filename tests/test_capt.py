@@ -127,13 +127,18 @@ class RecordingGrid:
         from promptfcl.federation.inprocess import InProcessGrid
 
         class _Grid(InProcessGrid):
+            def _received(self, cid, sent, reply):  # a folding server strips the model tensors: keep them whole
+                self.whole[cid] = reply.copy()
+                return super()._received(cid, sent, reply)
+
             def _deliver(self, messages):
                 self.sent.append({c: m.copy() for c, m in messages.items()})
+                self.whole = {}
                 replies = super()._deliver(messages)
                 for r in replies.values():
                     if losses is not None and r.kind == "train_reply":
                         r.scalars["loss"] = losses[self.round.round]
-                self.replies.append({c: r.copy() for c, r in replies.items()})
+                self.replies.append({c: self.whole.get(c, r).copy() for c, r in replies.items()})
                 return replies
 
         grid = _Grid(client, runtime.scenario, runtime.dataset.train, runtime.cfg.seed, runtime.device)
