@@ -50,9 +50,16 @@ class RecordingGrid(InProcessGrid):
         super().__init__(*args, **kwargs)
         self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
 
+    def _received(self, cid: int, sent: Message, reply: Message) -> Message | None:
+        self.whole[cid] = reply.copy()  # a folding server strips the model tensors from what it keeps
+        return super()._received(cid, sent, reply)
+
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        self.whole: dict[int, Message] = {}
         replies = super()._deliver(messages)
-        self.log.append((self.round.task, self.round.round, messages, replies))
+        self.log.append(
+            (self.round.task, self.round.round, messages, {c: self.whole.get(c, r) for c, r in replies.items()})
+        )
         return replies
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -34,7 +32,8 @@ def random_adapter(vit: FrozenViT, layers=(0, 2), targets=ALL, rank=3, scale=0.5
 
 def merged_copy(vit: FrozenViT, adapter: LoRAAdapter) -> FrozenViT:
     """An independent ViT whose frozen weights have ΔW = s·B·A added in place (LoRA's merged inference form)."""
-    merged = copy.deepcopy(vit)
+    merged = build_vit(CFG)  # a deep copy of a FrozenViT is the same shared backbone: build a second one
+    merged.load_state_dict(vit.state_dict())
     with torch.no_grad():
         for (layer, target), d in adapter.deltas().items():
             blk = merged.vit.blocks[layer]

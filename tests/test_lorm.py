@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from promptfcl.adapters.lora import site_key
+from promptfcl.backbones import build_vit
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.federation.aggregation import regmean
 from promptfcl.federation.message import Message, Record
@@ -181,7 +180,8 @@ def test_client_gram_is_the_adapted_layers_input_gram(runtime: Runtime, gram_mod
     ctx = ClientContext(0, task, 0, Record(), data, 0, torch.device("cpu"))
     grams = client.grams(model, message, ctx)
     # independent: a copy of the ViT with the deltas merged into its weights, inputs captured by hooks on that copy
-    vit = copy.deepcopy(runtime.env.backbone)
+    vit = build_vit(runtime.cfg.backbone)  # a deep copy would be the shared backbone itself: build a second one
+    vit.load_state_dict(runtime.env.backbone.state_dict())
     captured: dict[str, list[torch.Tensor]] = {}
     for (layer, target), delta in dense.items():
         blk = vit.vit.blocks[layer]
