@@ -223,14 +223,17 @@ def test_cr_ablations_retrain_only_their_part_of_the_head(tmp_path, ablation: st
     exp = Experiment(tiny_config(method=method("hgp", rebalance="none")), tmp_path / "run", show_progress=False)
     exp.run()
     head = exp.server.model.head
-    before = head.weight.detach().clone()
+    before = {"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}
     exp.server.params = exp.server.params.model_copy(update={"rebalance": ablation})
     exp.server.rebalance(1, torch_generator(0, "test"))
     current = list(exp.scenario.label_space.tasks[1].logits)
     old = list(exp.scenario.label_space.tasks[0].logits)
     trained, kept = (current, old) if ablation == "current" else (old, current)
-    assert torch.equal(head.weight[kept], before[kept])
-    assert not torch.equal(head.weight[trained], before[trained])
+    for name, value in before.items():
+        after = getattr(head, name).detach()
+        assert torch.equal(after[kept], value[kept]), f"a kept {name} row changed"
+        # every retrained row is written back, not just some of them
+        assert all(not torch.equal(after[j], value[j]) for j in trained), f"a retrained {name} row kept its value"
 
 
 @pytest.mark.parametrize(
