@@ -167,3 +167,22 @@ def test_run_sends_only_seen_tasks_and_uploads_only_the_current_one(tmp_path) ->
     rounds = exp.state["rounds"]
     assert all(r["failures"] == [] for r in rounds)
     assert exp.state["accuracy_matrix"][0][0] > 50  # nearest-prototype accuracy above chance (33 %)
+
+
+@pytest.mark.parametrize("pl_weight", [0.0, 5.0])
+def test_reply_last_loss_is_the_final_epochs_dce_not_the_total(tmp_path, pl_weight: float) -> None:
+    """The validity gate compares `last_loss` with ln K, so PILoRA reports its cross-entropy term (DCE): with the
+    other terms off it equals the total's final-epoch mean; with the prototype term on, it is below the total."""
+    from .test_hgp import recorded_run
+
+    method = {"name": "pilora", "layers": [0], "local_epochs": 1, "batch_size": 8, "lr": 1e-3, "proto_lr": 0.05,
+              "pl_weight": pl_weight, "ort_weight": 0.0, "l1_weight": 0.0}  # fmt: skip
+    _exp, log = recorded_run(tiny_config(method=method), tmp_path)
+    replies = [r for _t, _r, _s, rs in log for r in rs.values() if r.scalars["num_samples"] > 0]
+    assert replies
+    for r in replies:  # one epoch: the final epoch's mean is the mean over every step
+        assert r.scalars["last_loss"] == pytest.approx(r.scalars["dce"], rel=1e-9)
+        if pl_weight == 0.0:
+            assert r.scalars["last_loss"] == pytest.approx(r.scalars["loss"], rel=1e-6)
+        else:
+            assert r.scalars["last_loss"] < r.scalars["loss"] - 0.01

@@ -41,7 +41,7 @@ and the class means (`stats/`, with counts) — nothing of future tasks.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -165,11 +165,15 @@ class PILoRAClient(SupervisedClient):
         steps = max(getattr(self, "parts", {}).get("steps", 0), 1)
         if len(ctx.train_data):
             scalars.update(dce=self.parts["dce"] / steps, ort=self.parts["ort"] / steps)
+            # the validity gate compares `last_loss` with ln K: that is the final epoch's cross-entropy (DCE); the
+            # total adds the prototype distance, orthogonality and L1 terms, which have no ln K scale
+            last = self.parts["dce_steps"][-max(steps // self.params.local_epochs, 1) :]
+            scalars["last_loss"] = sum(last) / len(last)
         return Message(out, scalars, kind="train_reply")
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
-        self.parts = {"dce": 0.0, "ort": 0.0, "steps": 0}  # the loss terms, reported beside the total
+        self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": []}  # terms beside the total
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             d = model.distances(model.features(x))
@@ -180,6 +184,7 @@ class PILoRAClient(SupervisedClient):
             if p.l1_weight:
                 total = total + p.l1_weight * model.prompt.l1()
             self.parts["dce"] += float(dce.detach())
+            self.parts["dce_steps"].append(float(dce.detach()))
             self.parts["ort"] += float(ort.detach())
             self.parts["steps"] += 1
             return total
