@@ -149,7 +149,7 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
             per = ", ".join(f"seed {s}: {x:+.2f}" for s, x in zip(d.seeds, d.differences, strict=True))
             lines.append(f"Per-seed advantage ({c['metric']}): {per}.")
         if r.get("reason"):
-            lines.append(f"{r['status'].capitalize()} because: {r['reason']}.")
+            lines.append(f"{r['status'].capitalize()} because: {r['reason'].rstrip('.')}.")
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")
