@@ -46,6 +46,26 @@ def tiny_config(**updates: Any) -> ExperimentConfig:
     return build_config(tiny_raw(**updates))
 
 
+def interrupted_then_resumed(cfg: ExperimentConfig, run_dir: Path, rounds: int) -> dict[str, Any]:
+    """Run `cfg` in `run_dir`, interrupt it (KeyboardInterrupt) after `rounds` completed rounds, then resume it
+    from its checkpoint; returns the resumed run's metrics (to compare with an uninterrupted run)."""
+    from promptfcl.experiment import Experiment
+
+    exp = Experiment(cfg, run_dir, show_progress=False)
+    original, done = exp._run_round, []
+
+    def interrupted(task: int, rnd: int) -> None:
+        if len(done) == rounds:
+            raise KeyboardInterrupt
+        original(task, rnd)
+        done.append(rnd)
+
+    exp._run_round = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        exp.run()
+    return Experiment.from_run_dir(run_dir, show_progress=False).run(resume=True)
+
+
 @pytest.fixture
 def assets_dir() -> Path:
     """The shared real assets (CIFAR-100, the distilled ViT-Tiny); tests using it skip when it is absent."""

@@ -29,7 +29,7 @@ from promptfcl.runtime import Runtime
 from promptfcl.statistics import pooled, summarize
 from promptfcl.training.compensation import mean_nll, train_compensation
 
-from .conftest import TINY, deep_update, tiny_config
+from .conftest import TINY, deep_update, interrupted_then_resumed, tiny_config
 
 ASYNC = {
     "data": {"options": {"num_classes": 12, "train_per_class": 24, "test_per_class": 6}},
@@ -318,20 +318,7 @@ def test_both_ablations_off_is_fed_codap(tmp_path: Path) -> None:
 def test_resume_mid_run_equals_uninterrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_config(**c2p())
     ref = Experiment(cfg, tmp_path / "ref", show_progress=False).run()
-    original = Experiment._run_round
-    calls = {"n": 0}
-
-    def crash_after_three(self, task, rnd):  # noqa: ANN001, ANN202
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, task, rnd)
-
-    monkeypatch.setattr(Experiment, "_run_round", crash_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg, tmp_path / "cut", show_progress=False).run()
-    monkeypatch.setattr(Experiment, "_run_round", original)
-    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    resumed = interrupted_then_resumed(cfg, tmp_path / "cut", rounds=3)
     assert resumed["evaluations"] == ref["evaluations"] and resumed["summary"] == ref["summary"]
 
 

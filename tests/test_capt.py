@@ -21,6 +21,7 @@ from promptfcl.federation.clustering import (
 )
 
 from .clip_fixtures import tiny_lt_raw
+from .conftest import interrupted_then_resumed
 
 # ------------------------------------------------------------------------------------------- clustering
 
@@ -362,19 +363,7 @@ def test_capt_resume_mid_run_equals_uninterrupted_run(tmp_path) -> None:
     raw = tiny_lt_raw(method={"arms": [1, 2]}, scenario={"rounds_per_task": 4})
     reference = Experiment(build_config(raw), tmp_path / "ref", show_progress=False).run()
 
-    exp = Experiment(build_config(raw), tmp_path / "cut", show_progress=False)
-    original, done = exp._run_round, []
-
-    def interrupted(task: int, rnd: int) -> None:
-        if len(done) == 2:
-            raise KeyboardInterrupt
-        original(task, rnd)
-        done.append(rnd)
-
-    exp._run_round = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        exp.run()
-    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    resumed = interrupted_then_resumed(build_config(raw), tmp_path / "cut", rounds=2)
     strip = lambda m: {k: v for k, v in m.items() if k != "timing"}  # noqa: E731
     assert strip(resumed) == strip(reference)
 

@@ -20,7 +20,7 @@ from promptfcl.methods.fedmgp_model import distill_pool, distillation_loss, key_
 from promptfcl.prompts.class_prefix import ClassPrefixPool
 from promptfcl.runtime import Runtime
 
-from .conftest import tiny_raw
+from .conftest import interrupted_then_resumed, tiny_raw
 
 FEDMGP = {
     "name": "fedmgp", "pool_size": 4, "length": 2, "top_k": 2, "local_layers": [1], "local_length": 2,
@@ -470,20 +470,7 @@ def test_baselines_client_local_accuracy_is_the_global_model_on_each_clients_own
 def test_fedmgp_resume_equals_an_uninterrupted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raw = personal_raw(FEDMGP)
     reference = Experiment(build_config(raw), tmp_path / "ref", show_progress=False).run()
-    original = Experiment._run_round
-    done: list[int] = []
-
-    def interrupted(self: Experiment, task: int, rnd: int) -> None:
-        if len(done) == 3:
-            raise KeyboardInterrupt
-        done.append(1)
-        original(self, task, rnd)
-
-    monkeypatch.setattr(Experiment, "_run_round", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        Experiment(build_config(raw), tmp_path / "cut", show_progress=False).run()
-    monkeypatch.setattr(Experiment, "_run_round", original)
-    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    resumed = interrupted_then_resumed(build_config(raw), tmp_path / "cut", rounds=3)
     strip = ("timing",)
     assert {k: v for k, v in resumed.items() if k not in strip} == {
         k: v for k, v in reference.items() if k not in strip

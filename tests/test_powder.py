@@ -17,7 +17,7 @@ from promptfcl.experiment import Experiment
 from promptfcl.methods.powder import correlation, generate, not_true_distillation, signature_similarity, top_tasks
 from promptfcl.prompts.codap import attention_weights
 
-from .conftest import tiny_config
+from .conftest import interrupted_then_resumed, tiny_config
 from .test_c2prompt import ASYNC, POOL, programs_on_a_grid, run_round
 
 
@@ -211,18 +211,5 @@ def test_powder_run_scores_each_tasks_generated_prompt_and_resumes_exactly(
     starts = [r for r in rounds if r["round"] == 0]
     assert all(r["messages"] == 6 and 0 < r["powder_self_weight"] <= 1 for r in starts)  # signatures + train
     assert all(r["last_loss"] < r["chance_loss"] for r in rounds if r["round"] == 1)
-    original = Experiment._run_round
-    calls = {"n": 0}
-
-    def crash_after_three(self, task, rnd):  # noqa: ANN001, ANN202
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        calls["n"] += 1
-        return original(self, task, rnd)
-
-    monkeypatch.setattr(Experiment, "_run_round", crash_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        Experiment(cfg, tmp_path / "cut", show_progress=False).run()
-    monkeypatch.setattr(Experiment, "_run_round", original)
-    resumed = Experiment.from_run_dir(tmp_path / "cut", show_progress=False).run(resume=True)
+    resumed = interrupted_then_resumed(cfg, tmp_path / "cut", rounds=3)
     assert resumed["evaluations"] == ref["evaluations"] and resumed["summary"] == ref["summary"]
