@@ -1,10 +1,12 @@
-"""Memory flat in the number of clients: one downlink copy per round, HePCo's teachers on the replies' own tensors,
-and the generator loss backpropagated one teacher at a time with the gradient of the summed loss."""
+"""Memory flat in the number of clients: one downlink copy per round, HePCo's teachers spilled to disk (the same run
+as in memory), and the generator loss backpropagated one teacher at a time with the gradient of the summed loss."""
 
 from __future__ import annotations
 
 import copy
+import json
 from functools import partial
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -187,16 +189,45 @@ def test_a_broadcast_is_not_copied_per_client_and_every_client_still_gets_its_ow
     assert torch.equal(sent.tensors["w"], torch.zeros(3))
 
 
-def test_hepco_teachers_use_the_reply_tensors_without_copying() -> None:
-    raw_method = {"name": "hepco", "pool_size": 4, "length": 2, "layers": [0], "augment": "flip"}
-    rt = Runtime.build(tiny_config(method=raw_method))
-    server = rt.programs()[0]
-    counts = torch.ones(rt.scenario.label_space.num_logits, dtype=torch.long)
-    replies = {k: Message({**server.model.get_state(), "label_counts": counts.clone()}, {}) for k in range(3)}
-    teachers = server.teachers(replies, torch.stack([counts] * 3))
-    for t, r in zip(teachers, replies.values(), strict=True):
-        assert t.logits.weight.data_ptr() == r.tensors["head.weight"].data_ptr()
-        assert not t.logits.weight.requires_grad
+def hepco_round(store: str, tmp_path) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """A 2-task HePCo run (3 clients, a short server schedule) with its teachers kept in `store`."""
+    method = {"name": "hepco", "pool_size": 4, "length": 2, "layers": [0], "augment": "flip", "local_epochs": 1,
+              "generator_iterations": 5, "kd_iterations": 5, "teacher_store": store}  # fmt: skip
+    exp = Experiment(tiny_config(method=method), tmp_path / store, show_progress=False)
+    exp.run()
+    rounds = [json.loads(line) for line in (tmp_path / store / "rounds.jsonl").read_text().splitlines()]
+    return exp.server.model.get_state(), rounds
+
+
+def test_hepco_teachers_on_disk_give_the_same_run_as_in_memory(tmp_path, monkeypatch) -> None:
+    """`teacher_store: disk` writes each client's state as its reply arrives and loads one teacher at a time into
+    one shared model: same generator, distillation and final model as keeping every teacher in memory, with one
+    teacher model built per server instead of one per client and round, and the files gone after each round."""
+    from promptfcl.training import teacher_store
+
+    built = {"memory": 0, "disk": 0}
+    folders: list[str] = []
+    original_frozen, original_add = teacher_store.TeacherStore._frozen, teacher_store.TeacherStore.add
+
+    def counting_frozen(self):
+        built[self.kind] += 1
+        return original_frozen(self)
+
+    def recording_add(self, client, state):
+        original_add(self, client, state)
+        if self._folder is not None and self._folder.name not in folders:
+            folders.append(self._folder.name)
+
+    monkeypatch.setattr(teacher_store.TeacherStore, "_frozen", counting_frozen)
+    monkeypatch.setattr(teacher_store.TeacherStore, "add", recording_add)
+    mem_state, mem_rounds = hepco_round("memory", tmp_path)
+    disk_state, disk_rounds = hepco_round("disk", tmp_path)
+    for k in mem_state:
+        assert torch.equal(mem_state[k], disk_state[k]), k
+    keys = ("generator_loss", "generator_fidelity", "head_kd_loss", "stage_a_shift")
+    assert [[r[k] for k in keys] for r in mem_rounds] == [[r[k] for k in keys] for r in disk_rounds]
+    assert built["memory"] == 3 * len(mem_rounds) and built["disk"] == 1, built  # 3 clients per round
+    assert folders and not any(Path(f).exists() for f in folders), folders
 
 
 # ------------------------------------------------------------------------------ FedMGP phase 2: V(x') cached

@@ -41,6 +41,10 @@ Choices (switch → default):
   `query_cache: true` (CPU presets) — the query is recomputed or cached accordingly.
 Extensions, off by default: `privacy` adds Gaussian-mechanism noise to the label counts (Δ = 1,
 `statistics.privacy`); `aggregation` (robust rules, norm checks) as for every FedAvg-style method.
+Memory: the server needs every client of the round as a teacher. `teacher_store` keeps them in memory or spills
+each to a safetensors file as its reply arrives and loads one at a time (`training.teacher_store`; `auto`: disk
+on the CPU, memory on an accelerator), so host memory stays flat in the number of clients (perf.py: 50 vs 1
+clients 1.06×, was 1.58×) for a server step 1.13× slower at 5 clients; the numbers are identical either way.
 Deviations: the HePCo partition applies the long-tail β to the data (the code only reports it); our crop is a
 reflection-padded translation, not RandomResizedCrop; clients upload only trainable tensors.
 
@@ -65,7 +69,7 @@ from pydantic import Field
 from torch import nn
 
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
 from promptfcl.federation.validation import TensorSpec
 from promptfcl.methods.fedavg import FedAvgServer, PreviousTaskServer, SupervisedClient
 from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
@@ -81,6 +85,7 @@ from promptfcl.training.latent_generator import (
     sample_labels,
     train_generator,
 )
+from promptfcl.training.teacher_store import StoreKind, TeacherStore
 
 
 class WeightedPoolParams(PoolTrainingParams):
@@ -114,6 +119,11 @@ class HePCoParams(WeightedPoolParams):
         "label_counts", description="per-sample client weights n_c(y)/N_round (code) or 1 (paper Eq. 2-4, 6)"
     )
     privacy: PrivacyParams = Field(default_factory=PrivacyParams, description="Gaussian noise on label counts")
+    teacher_store: StoreKind = Field(
+        "auto",
+        description="where the round's client teachers wait: memory, disk (one loaded at a time; host memory flat "
+        "in the number of clients), auto (disk on the CPU, memory on an accelerator)",
+    )
 
 
 def build_model(env: MethodEnv, p: WeightedPoolParams) -> PromptedClassifier:
@@ -218,20 +228,29 @@ class HePCoServer(PreviousTaskServer):
     """Uniform FedAvg, then generator training and two-stage latent distillation against clients and the
     previous-task snapshot; keeps the cumulative label counts."""
 
-    needs_client_models = True  # the clients' models are the generators' teachers
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cumulative = torch.zeros(self.env.label_space.num_logits, dtype=torch.long)
         self.round_start: dict[str, torch.Tensor] = {}  # the pool's tensors before this round's FedAvg
+        # the clients' models are the generators' teachers: each is stored as its reply arrives (then the reply is
+        # folded into the running mean like any FedAvg reply), so memory need not hold every reply at once
+        self.store = TeacherStore(self.new_model, self.params.teacher_store, self.env.device)
 
     def prompt_state(self) -> dict[str, torch.Tensor]:
         """A copy of the trainable prompt tensors (the weighted pool's keys and prompts)."""
         return {k: v.detach().clone() for k, v in self.model.prompt.named_parameters()}
 
-    def aggregate(self, replies: dict[int, Message]) -> None:
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         self.round_start = self.prompt_state()
-        super().aggregate(replies)
+        try:
+            return super().run_round(grid, info)
+        finally:
+            self.store.clear()
+
+    def _fold(self, client: int, reply: Message) -> Message:
+        if self.params.server_kd and reply.scalars.get("num_samples", 0) > 0:
+            self.store.add(client, {k: reply.tensors[k] for k in self.model.state_dict()})
+        return super()._fold(client, reply)
 
     def keeps_previous(self) -> bool:
         return self.params.use_prev_server
@@ -247,14 +266,13 @@ class HePCoServer(PreviousTaskServer):
     def teachers(self, replies: dict[int, Message], counts: torch.Tensor) -> list[Teacher]:
         """One frozen teacher per client, weighted per label by `teacher_weights` (n_c(y) / N_round by default)."""
         weights = teacher_weights(counts, self.params.teacher_weights)
+        names = list(self.model.state_dict())
         out = []
-        for r, w in zip(replies.values(), weights, strict=True):
-            m = self.new_model().eval()
-            state = m.state_dict()
-            m.set_state({k: r.tensors[k] for k in state})
-            r.tensors.update(state)  # the teacher takes over: the reply's own copy is freed, not held twice
-            m.requires_grad_(False)
-            out.append(Teacher(m.head, lambda z, m=m: prompt_output(m, z), w))
+        for (cid, r), w in zip(replies.items(), weights, strict=True):
+            if cid not in self.store:  # replies kept whole (no folding, e.g. a robust rule): stored now
+                self.store.add(cid, {k: r.tensors.pop(k) for k in names})
+            model = partial(self.store.model, cid)
+            out.append(Teacher(lambda z, m=model: m().head(z), lambda z, m=model: prompt_output(m(), z), w))
         return out
 
     def consolidate(self, replies: dict[int, Message], counts: torch.Tensor, info: RoundInfo) -> dict[str, float]:
