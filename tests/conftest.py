@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from promptfcl.config import ExperimentConfig, build_config
+from promptfcl.federation.inprocess import InProcessGrid
+from promptfcl.federation.message import Message
 
 TINY: dict[str, Any] = {
     "name": "tiny",
@@ -44,6 +46,37 @@ def tiny_raw(**updates: Any) -> dict[str, Any]:
 
 def tiny_config(**updates: Any) -> ExperimentConfig:
     return build_config(tiny_raw(**updates))
+
+
+class RecordingGrid(InProcessGrid):
+    """The in-process engine, keeping every delivered batch of messages and its replies whole, per delivery:
+    `log` holds (task, round, messages, replies). A folding server keeps only part of each reply; the log keeps
+    what the client sent."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
+        self.whole: dict[int, Message] = {}
+
+    @property
+    def sent(self) -> list[dict[int, Message]]:
+        return [m for _, _, m, _ in self.log]
+
+    @property
+    def replies(self) -> list[dict[int, Message]]:
+        return [r for _, _, _, r in self.log]
+
+    def _received(self, cid: int, sent: Message, reply: Message) -> Message | None:
+        self.whole[cid] = reply.copy()
+        return super()._received(cid, sent, reply)
+
+    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
+        self.whole = {}
+        sent = {c: m.copy() for c, m in messages.items()}
+        replies = super()._deliver(messages)
+        whole = {c: self.whole.get(c, r).copy() for c, r in replies.items()}
+        self.log.append((self.round.task, self.round.round, sent, whole))
+        return replies
 
 
 def interrupted_then_resumed(cfg: ExperimentConfig, run_dir: Path, rounds: int) -> dict[str, Any]:

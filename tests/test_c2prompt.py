@@ -19,8 +19,6 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.regimes import SlotRegime
 from promptfcl.experiment import Experiment
 from promptfcl.federation.aggregation import class_affinity_weights, mix_rows
-from promptfcl.federation.inprocess import InProcessGrid
-from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import RoundInfo
 from promptfcl.methods.c2prompt import C2PromptClient
 from promptfcl.methods.fedavg import SupervisedClient
@@ -29,7 +27,7 @@ from promptfcl.runtime import Runtime
 from promptfcl.statistics import pooled, summarize
 from promptfcl.training.compensation import mean_nll, train_compensation
 
-from .conftest import TINY, deep_update, interrupted_then_resumed, tiny_config
+from .conftest import TINY, RecordingGrid, deep_update, interrupted_then_resumed, tiny_config
 
 ASYNC = {
     "data": {"options": {"num_classes": 12, "train_per_class": 24, "test_per_class": 6}},
@@ -47,21 +45,6 @@ POOL = {"layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.01, "lengt
 
 def c2p(**method) -> dict:
     return {**ASYNC, "method": {"name": "c2prompt", "components_per_stage": 2, **POOL, **method}}
-
-
-class RecordingGrid(InProcessGrid):
-    """The in-process grid, keeping every batch of messages it delivers and the replies."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent: list[dict[int, Message]] = []
-        self.replies: list[dict[int, Message]] = []
-
-    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        self.sent.append({c: m.copy() for c, m in messages.items()})
-        replies = super()._deliver(messages)
-        self.replies.append({c: r.copy() for c, r in replies.items()})
-        return replies
 
 
 def programs_on_a_grid(raw: dict):  # noqa: ANN201

@@ -13,14 +13,14 @@ import torch
 from promptfcl.config import build_config
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.experiment import Experiment
-from promptfcl.federation.inprocess import InProcessGrid, run_client
+from promptfcl.federation.inprocess import run_client
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext
 from promptfcl.methods.fedmgp_model import distill_pool, distillation_loss, key_chance, key_hits
 from promptfcl.prompts.class_prefix import ClassPrefixPool
 from promptfcl.runtime import Runtime
 
-from .conftest import interrupted_then_resumed, tiny_raw
+from .conftest import RecordingGrid, interrupted_then_resumed, tiny_raw
 
 FEDMGP = {
     "name": "fedmgp", "pool_size": 4, "length": 2, "top_k": 2, "local_layers": [1], "local_length": 2,
@@ -41,26 +41,6 @@ def personal_raw(method: dict[str, Any], mode: str = "asynchronous", rounds: int
         raw["scenario"]["classes_per_task"] = 3
     raw["method"] = dict(method)
     return raw
-
-
-class RecordingGrid(InProcessGrid):
-    """The in-process engine, keeping every delivered message and reply per (task, round)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
-
-    def _received(self, cid: int, sent: Message, reply: Message) -> Message | None:
-        self.whole[cid] = reply.copy()  # a folding server strips the model tensors from what it keeps
-        return super()._received(cid, sent, reply)
-
-    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        self.whole: dict[int, Message] = {}
-        replies = super()._deliver(messages)
-        self.log.append(
-            (self.round.task, self.round.round, messages, {c: self.whole.get(c, r) for c, r in replies.items()})
-        )
-        return replies
 
 
 def run_recorded(raw: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any], RecordingGrid]:

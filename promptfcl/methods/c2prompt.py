@@ -81,7 +81,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from promptfcl.federation.aggregation import class_affinity_weights, mix_rows, weighted_mean
+from promptfcl.federation.aggregation import RunningMean, class_affinity_weights, mix_rows, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
 from promptfcl.federation.validation import ReplySchema, TensorSpec
@@ -399,9 +399,10 @@ class C2PromptServer(FedAvgServer):
                 for n in (*POOL_TENSORS, "prompt.initialized_tasks"):
                     state[n] = g[n].clone()
 
-    def client_state(self, k: int) -> dict[str, torch.Tensor]:
-        """Client k's pool (the global one until it first takes part) with the global head."""
-        g = self.model.get_state()
+    def client_state(self, k: int, g: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Client k's pool (the global one until it first takes part) with the global head (`g`: the global state,
+        shared by every client's message of a round rather than copied per client)."""
+        g = self.model.get_state() if g is None else g
         if k not in self.pools:
             self.pools[k] = {n: t.clone() for n, t in g.items() if n.startswith("prompt.")}
         return {**g, **self.pools[k]}
@@ -415,11 +416,12 @@ class C2PromptServer(FedAvgServer):
         if p.lcdc and info.round == 0:
             extra = lcdc_gaussians(grid, self.env, info)
         discriminative = not (p.lcdc and info.round == 0 and p.lcdc_round == "extra")
+        g = self.model.get_state()
         msgs = {
-            k: Message({**self.client_state(k), **extra[k]}, {"discriminative": discriminative}, kind="train")
+            k: Message({**self.client_state(k, g), **extra[k]}, {"discriminative": discriminative}, kind="train")
             for k in parts
         }
-        replies = grid.send(msgs)
+        replies = grid.send(msgs, self._keep_stage_block)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
         metrics.update({**lcdc_metrics(replies), **round_loss(usable), "clients": len(usable)})
         if usable:
@@ -428,39 +430,47 @@ class C2PromptServer(FedAvgServer):
             metrics.update(self.cpa_diagnostics)
         return metrics
 
+    def _keep_stage_block(self, client: int, reply: Message) -> Message:
+        """Fold of a train reply as it arrives: of the pool tensors keep only the stage's block of rows (the only
+        rows a client trains: earlier blocks are frozen, later ones unused), so a round holds one block per client,
+        not every client's whole pool."""
+        s, f = stage_block(self.model)
+        tensors = {n: t[:, s:f].clone() if n in POOL_TENSORS else t for n, t in reply.tensors.items()}
+        return Message(tensors, reply.scalars, kind=reply.kind)
+
     def aggregate(self, replies: dict[int, Message]) -> None:
+        """The stage block of each participant's pool: CPA-mixed per client (or their mean for every client with
+        `cpa: false`); the global pool is the mean of the participants' pools, the head owner-row averaged."""
         p = self.params
         weights = [r.scalars["num_samples"] for r in replies.values()] if p.weighting == "samples" else None
         previous = self.model.get_state()
         head = self.owned_head(previous, replies, weights)
-        names = [n for n in previous if n.startswith("prompt.")]
+        for k in replies:
+            self.client_state(k)  # a participant's pool exists (from the global one) before its block is written
         if p.cpa:
-            new_pools, self.cpa_diagnostics = self.class_aware(replies, names)
+            blocks, self.cpa_diagnostics = self.class_aware(replies)
         else:
-            mean = weighted_mean([{n: r.tensors[n] for n in names} for r in replies.values()], weights)
-            new_pools = {k: {n: t.clone() for n, t in mean.items()} for k in set(self.pools) | set(replies)}
-        self.pools.update(new_pools)
-        mean_pool = weighted_mean(
-            [self.pools[k] for k in replies], weights
-        )  # the global view: mean of the participants' prompts
-        mean_pool["prompt.initialized_tasks"] = previous["prompt.initialized_tasks"]
-        self.model.set_state({**previous, **mean_pool, **head})
+            mean = weighted_mean([{n: r.tensors[n] for n in POOL_TENSORS} for r in replies.values()], weights)
+            blocks = {k: mean for k in self.pools}
+        s, f = stage_block(self.model)
+        for k, block in blocks.items():
+            for name, t in block.items():
+                self.pools[k][name][:, s:f] = t
+        mean_pool = RunningMean()  # the global view: mean of the participants' prompts (no list of their pools)
+        for k, w in zip(replies, weights or [1.0] * len(replies), strict=True):
+            mean_pool.add(self.pools[k], w)
+        pool = mean_pool.result()
+        pool["prompt.initialized_tasks"] = previous["prompt.initialized_tasks"]
+        self.model.set_state({**previous, **pool, **head})
 
-    def class_aware(
-        self, replies: dict[int, Message], names: list[str]
-    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, float]]:
-        """CPA over the participants' stage blocks (`cpa_mix`); client k's stage block becomes its mixed rows."""
+    def class_aware(self, replies: dict[int, Message]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, float]]:
+        """CPA over the participants' stage blocks (`cpa_mix`): client k's mixed block of rows."""
         p = self.params
         clients = list(replies)
-        s, f = stage_block(self.model)
-        out = {k: {name: replies[k].tensors[name].clone() for name in names} for k in clients}
-        blocks = [{name: replies[k].tensors[name][:, s:f] for name in POOL_TENSORS} for k in clients]
+        blocks = [{name: replies[k].tensors[name] for name in POOL_TENSORS} for k in clients]
         hist = torch.stack([replies[k].tensors["cpa/hist"] for k in clients])  # (K, layers, N, classes)
         mixed, diagnostics = cpa_mix(blocks, hist, p.cpa_temperature, p.histogram_norm)
-        for k, block in zip(clients, mixed, strict=True):
-            for name, t in block.items():
-                out[k][name][:, s:f] = t
-        return out, diagnostics
+        return dict(zip(clients, mixed, strict=True)), diagnostics
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         if client not in self._eval_models:
