@@ -14,7 +14,8 @@ pool):
    class statistics (one more forward over the data), so its ratio is below the prefix family's by design.
 2. **Server step per round**: the server's share of a round (aggregation plus its own step: HGP's head
    rebalancing on sampled features, HePCo's generator training and distillation) from a short in-process run
-   on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one).
+   on synthetic data with the method's default server schedule (`--quick`: the CPU presets' shorter one);
+   HePCo with its teachers in memory and on disk (`teacher_store`), to show what spilling them costs.
 3. **Peak RSS** of a whole run with 1 and with 50 simulated clients, each in its own subprocess, for every
    registered method on its own scenario family (class-incremental: 2 tasks x 1 round, 4 images per client;
    C2Prompt / the direct reference on Powder's asynchronous switching; FedMGP on its personalized split; CAPT
@@ -73,7 +74,13 @@ from promptfcl.methods import METHODS
 from promptfcl.scenario.label_space import LabelSpace
 
 FAMILIES = {"fedavg_prompt": "prefix", "hgp": "prefix", "fedl2p": "pool", "fedcodap": "pool", "hepco": "pool"}
-SERVER_METHODS = ["fedavg_prompt", "hgp", "hepco"]
+# (row label, method, extra method options): HePCo twice, to show what spilling its teachers to disk costs
+SERVER_METHODS = [
+    ("fedavg_prompt", "fedavg_prompt", {}),
+    ("hgp", "hgp", {}),
+    ("hepco (teachers in memory)", "hepco", {"teacher_store": "memory"}),
+    ("hepco (teachers on disk)", "hepco", {"teacher_store": "disk"}),
+]
 CACHE_METHODS = {"hepco": {}, "fedcodap": {}, "fedl2p": {}}
 # the CPU presets' shorter HePCo server schedule (configs/cpu/hepco_cifar100.yaml): server step with --quick, and
 # the RSS runs (memory does not depend on the iteration count; 50 teachers x the paper's schedule takes long)
@@ -401,17 +408,19 @@ def run_experiment(raw: dict[str, Any]) -> dict[str, Any]:
 
 def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
     rows = []
-    for method in SERVER_METHODS:
-        m = run_experiment(tiny_run_config(method, s, 5, quick))
+    for label, method, extra in SERVER_METHODS:
+        raw = tiny_run_config(method, s, 5, quick)
+        raw["method"].update(extra)
+        m = run_experiment(raw)
         rounds = m["communication"]["rounds"]
         row = {
-            "method": method,
+            "method": label,
             "server_seconds_per_round": m["timing"]["server_seconds"] / rounds,
             "client_seconds_per_round": m["timing"]["client_seconds"] / rounds,
             "schedule": "CPU preset" if quick and method in PRESET_SERVER else "method defaults",
         }
         rows.append(row)
-        print(f"  server step {method:<14} {row['server_seconds_per_round']:.3f} s/round", flush=True)
+        print(f"  server step {label:<14} {row['server_seconds_per_round']:.3f} s/round", flush=True)
     return rows
 
 
@@ -431,11 +440,11 @@ TINY_CLIP = {
 
 def rss_run_config(method: str, s: Setting, clients: int) -> dict[str, Any]:
     """One short run of `method` on its own scenario family with `clients` simulated clients, all taking part:
-    class-incremental (2 tasks), Powder's asynchronous switching (C2Prompt, the direct reference), FedMGP's
+    class-incremental (2 tasks), Powder's asynchronous switching (C2Prompt, Powder, the direct reference), FedMGP's
     personalized split, or one static long-tailed task on a tiny CLIP (CAPT and the CLIP baselines)."""
     raw = tiny_run_config(method, s, clients, True, per_client=4, rounds=1)
     sc = raw["scenario"]
-    if method in ("c2prompt", "codap_direct"):
+    if method in ("c2prompt", "codap_direct", "powder"):
         slices = max(1, clients // 10)  # each client's task keeps ~8 images however many clients there are
         sc.update(kind="asynchronous", classes_per_task=2, asynchronous={"data_slices": slices})
     elif method == "fedmgp":

@@ -142,7 +142,11 @@ def generate(
             w = W[i, cols].double()
             if g is not None:
                 w = torch.where(cols == g, torch.zeros_like(w), w)
-            rest[slot] = torch.einsum("t,t...->...", w, t[cols].double()).float()
+            acc = torch.zeros(t.shape[1:], dtype=torch.float64)  # block by block: no float64 copy of the pool
+            for j, wj in zip(trained, w.tolist(), strict=True):
+                if wj != 0.0:
+                    acc += wj * t[j].double()
+            rest[slot] = acc.float()
         out[f"prompt.rest_{part}"] = rest
         out[f"prompt.own_{part}"] = t[g].clone() if g is not None else torch.zeros(t.shape[1:])
     coef, active = torch.zeros(blocks), torch.zeros(blocks)
@@ -337,7 +341,7 @@ class PowderServer(FedAvgServer):
         """What serves task g: its generated prompt (own block + top-k remainders) and the global head."""
         trained = self.trained_tasks()
         picks = top_tasks(self.W, trained, g, self.params.top_k)
-        head = {k: v for k, v in self.model.get_state().items() if k.startswith("head.")}
+        head = {f"head.{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}
         return {**generate(self.pool, self.W, trained, g, picks, self.params.top_k), **head}
 
     def model_with_blocks(self, blocks: int) -> PromptedClassifier:
@@ -360,9 +364,10 @@ class PowderServer(FedAvgServer):
         extras, scalars = self.round_extras(grid, info, labels, metrics)
         ntd = not (info.task == 0 and info.round == 0)
         msgs = {}
+        served = {g: self.task_state(g) for g in sorted(set(labels.values()))}  # one per task, not per client
         for k, g in labels.items():
             own = {"powder/ntd_class_weight": self.class_weight[list(self.env.label_space.tasks[g].logits)].clone()}
-            msgs[k] = Message({**self.task_state(g), **own, **extras.get(k, {})}, {"ntd": ntd, **scalars}, kind="train")
+            msgs[k] = Message({**served[g], **own, **extras.get(k, {})}, {"ntd": ntd, **scalars}, kind="train")
         replies = grid.send(msgs)
         usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
         metrics.update({**self.reply_metrics(replies), **round_loss(usable), "clients": len(usable)})
