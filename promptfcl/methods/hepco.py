@@ -44,7 +44,7 @@ Extensions, off by default: `privacy` adds Gaussian-mechanism noise to the label
 Memory: the server needs every client of the round as a teacher. `teacher_store` keeps them in memory or spills
 each to a safetensors file as its reply arrives and loads one at a time (`training.teacher_store`; `auto`: disk
 on the CPU, memory on an accelerator), so host memory stays flat in the number of clients (perf.py: 50 vs 1
-clients 1.06×, was 1.58×) for a server step 1.13× slower at 5 clients; the numbers are identical either way.
+clients 1.03×, was 1.58×) for a server step 1.13× slower at 5 clients; the numbers are identical either way.
 Deviations: the HePCo partition applies the long-tail β to the data (the code only reports it); our crop is a
 reflection-padded translation, not RandomResizedCrop; clients upload only trainable tensors.
 

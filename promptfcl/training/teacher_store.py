@@ -6,7 +6,8 @@
 - `disk`: each client's state goes to a safetensors file in a private temporary folder as its reply arrives, and
   `model(client)` loads it into one shared model when it is used. The host then holds one teacher at a time (the
   files sit in the OS page cache, which the kernel can reclaim), so peak memory does not grow with the number of
-  clients; each load copies one state (about 8 MB for HePCo's CPU pool), a few per cent of a teacher's work.
+  clients. Each load copies one state (about 8 MB for HePCo's paper-size pool on ViT-Tiny): HePCo's server step
+  runs 1.13× slower at 5 clients (`benchmarks/results/perf_server_teacher_store.json`).
 `auto` picks `memory` on an accelerator and `disk` on the CPU.
 """
 
