@@ -11,7 +11,6 @@ import torch
 
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.experiment import Experiment
-from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.methods.fedproto import PrototypeClassifier
 from promptfcl.runtime import Runtime
@@ -19,7 +18,7 @@ from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics import ClassStatistics, GaussianComponents, pooled
 
-from .conftest import tiny_config
+from .conftest import RecordingGrid, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,25 +34,12 @@ def method(name: str, **kw) -> dict:
     return {"name": name, "length": 4, "layers": [0, 1], "local_epochs": 2, "batch_size": 16, "lr": 0.01, **kw}
 
 
-class RecordingGrid(InProcessGrid):
-    """The in-process engine, keeping every message it carried in both directions."""
-
-    def __init__(self, rt: Runtime) -> None:
-        super().__init__(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device)
-        self.log: list[tuple[int, int, dict[int, Message], dict[int, Message]]] = []
-
-    def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        replies = super()._deliver(messages)
-        self.log.append((self.round.task, self.round.round, messages, replies))
-        return replies
-
-
 def recorded_run(cfg, run_dir) -> tuple[Experiment, list]:
     """Run `cfg` in process and return the experiment and the log of every (task, round, sent, replies)."""
     grids: list[RecordingGrid] = []
 
     def factory(rt: Runtime) -> RecordingGrid:
-        grids.append(RecordingGrid(rt))
+        grids.append(RecordingGrid(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device))
         return grids[0]
 
     exp = Experiment(cfg, run_dir, show_progress=False, grid_factory=factory)
