@@ -12,11 +12,11 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from promptfcl.config import ConfigError, DomainsConfig, ScenarioConfig, build_config
+from promptfcl.config import ConfigError, DomainsConfig, EvalConfig, ScenarioConfig, build_config
 from promptfcl.data.domains import ImageDomain, draw_domains, keyed_normal
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
-from promptfcl.evaluation.regimes import SlotEvaluator
+from promptfcl.evaluation.regimes import SlotEvaluator, SlotRegime
 from promptfcl.experiment import Experiment
 from promptfcl.federation.inprocess import run_client
 from promptfcl.federation.message import Message, Record
@@ -235,12 +235,14 @@ class LookupModel(torch.nn.Module):
         return out
 
 
-def taught_model(rt: Runtime, with_domains: bool) -> LookupModel:
-    """A model that is right on every (client, task)'s test images iff they are seen in its client's domain
-    (`with_domains`) or as stored."""
+def taught_model(rt: Runtime, with_domains: bool, only: int | None = None) -> LookupModel:
+    """A model that is right on every (client, task)'s test images (or label-space task `only`'s) iff they are
+    seen in its client's domain (`with_domains`) or as stored."""
     s, test, space = rt.scenario, rt.dataset.test, rt.scenario.label_space
     model = LookupModel(space.num_logits)
     for g, idx in enumerate(s.test_indices):
+        if only is not None and g != only:
+            continue
         domain = s.client_domain(s.owners[g][0]) if with_domains else None
         raw = test.images[idx]
         model.teach(
@@ -251,8 +253,10 @@ def taught_model(rt: Runtime, with_domains: bool) -> LookupModel:
 
 def slot_accuracy(rt: Runtime, models: dict[int, torch.nn.Module]) -> dict[int, float]:
     ev = SlotEvaluator(rt.dataset.test, rt.scenario, rt.env.eval_transform, 16, rt.device)
-    tasks = list(range(len(rt.scenario.task_classes)))
-    return {r["label_task"]: r["accuracy"] for r in ev.evaluate(models, tasks)}
+    served: dict[int, tuple[torch.nn.Module, list[int]]] = {}  # each model with the tasks it serves
+    for g, m in models.items():
+        served.setdefault(id(m), (m, []))[1].append(g)
+    return {r["label_task"]: r["accuracy"] for m, tasks in served.values() for r in ev.evaluate(m, tasks)}
 
 
 @pytest.mark.parametrize("per_client", [False, True])
@@ -287,6 +291,59 @@ def test_each_client_task_is_evaluated_in_its_owner_clients_domain(per_client: b
         domain = rt.scenario.client_domain(owners[g][0])
         raw = rt.dataset.test.images[rt.scenario.test_indices[g]]
         assert torch.equal(x, rt.env.eval_transform(domain(raw) if domain else raw))
+
+
+class SwitchingModel(torch.nn.Module):
+    """One object that answers as the model of whichever task it was last set to (a server reusing one model)."""
+
+    def __init__(self, models: dict[int, LookupModel]) -> None:
+        super().__init__()
+        self.models, self.current = models, -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.models[self.current](x)
+
+
+@pytest.mark.parametrize("key", ["task", "client"])
+def test_task_aware_evaluation_tests_each_served_model_before_asking_for_the_next(key: str) -> None:
+    """A server may serve every (client, task) model through one reused object (Powder, C2Prompt's CPA, the direct
+    reference: memory flat in clients): the evaluation asks for each `model_key` once and tests all its tasks
+    before asking for the next. Each task's model is right only on its own task's images, so testing a task with
+    another's (e.g. asking for all models first) fails it; `scored_model` follows the keys."""
+    rt = domain_runtime()
+    s = rt.scenario
+    owners = s.owners
+
+    class OneObjectServer:
+        def __init__(self) -> None:
+            if key == "task":
+                per = {g: taught_model(rt, True, only=g) for g in range(len(owners))}
+            else:  # one model per client: right on all its tasks
+                per = {}
+                for g in range(len(owners)):
+                    per.setdefault(owners[g][0], LookupModel(s.label_space.num_logits))
+                    for x, logits in taught_model(rt, True, only=g).answers.items():
+                        per[owners[g][0]].answers.setdefault(x, set()).update(logits)
+            self.model, self.asked = SwitchingModel(per), []
+
+        def model_key(self, client: int, label_task: int) -> int:
+            return label_task if key == "task" else client
+
+        def client_model(self, client: int, label_task: int | None = None) -> torch.nn.Module:
+            k = self.model_key(client, label_task)
+            self.asked.append(k)
+            self.model.current = k
+            return self.model
+
+    server = OneObjectServer()
+    regime = SlotRegime(SlotEvaluator(rt.dataset.test, s, rt.env.eval_transform, 16, rt.device), EvalConfig())
+    state: dict = {}
+    regime.init_state(state)
+    out = regime.evaluate(server, s.num_tasks - 1, 0, True, state)  # type: ignore[arg-type]
+    trained = s.trained_label_tasks(s.num_tasks - 1)
+    assert sorted(map(int, out["accuracy"])) == trained and set(out["accuracy"].values()) == {100.0}
+    assert sorted(server.asked) == sorted({server.model_key(owners[g][0], g) for g in trained})
+    assert state["scored_model"] == key
 
 
 def test_c2prompt_uploads_the_class_statistics_of_its_domain_shifted_images() -> None:

@@ -76,6 +76,22 @@ class PromptEffect:
         }
 
 
+class PromptEffectTally:
+    """The prompt effect over several models, added one at a time (so each may be dropped once counted); models
+    for which "without prompts" is undefined (`prompt_effect_applies`) are left out."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        self.backbone, self.effect, self.applicable = backbone, PromptEffect(), False
+
+    def add(self, model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        if prompt_effect_applies(model):
+            self.applicable = True
+            compare_model(model, self.backbone, batches, self.effect)
+
+    def result(self) -> dict[str, float | int | bool | None]:
+        return self.effect.as_dict() if self.applicable else {"applicable": False}
+
+
 @torch.no_grad()
 def compare_model(
     model: nn.Module,

@@ -6,10 +6,11 @@
   with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
   classes (in the owner client's image domain when `scenario.domains` is set) with logits masked to its own slots,
   using the model the server holds for that client (`ServerProgram.client_model`; `eval.model: global` forces the
-  global model) → the transfer metrics of `evaluation.transfer`, FWT against `eval.direct_reference`. Which model
-  was scored is read from the models the server served and recorded as metrics.json `scored_model` (`scored_model`:
-  global | client | task), so reports can say, e.g., that C2Prompt is scored on each client's own CPA model and
-  Fed-CODAP on the global one.
+  global model) → the transfer metrics of `evaluation.transfer`, FWT against `eval.direct_reference`. The tasks
+  are grouped by `ServerProgram.model_key` and each model is asked for, tested and let go in turn, so a server
+  may reuse one object for all of them (memory flat in clients). Which model was scored is read from the same
+  keys and recorded as metrics.json `scored_model` (global | client | task), so reports can say, e.g., that
+  C2Prompt is scored on each client's own CPA model and Fed-CODAP on the global one.
 - `ClientLocalRegime` (`client_local` on a personalized scenario, FedMGP): every client tests its own model on its
   local test splits through `evaluate` messages sent over the run's `Grid`, with KR_t / KR_s per round
   (`evaluation.client_local`).
@@ -25,6 +26,7 @@ test size and chance) — its final evaluation also measures the final model(s) 
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
-from promptfcl.evaluation.prompt_effect import PromptEffect, compare_model, prompt_effect_applies
+from promptfcl.evaluation.prompt_effect import PromptEffectTally
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
 from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.protocol import Grid, ServerProgram
@@ -57,17 +59,12 @@ class ServerSideRegime:
     def round_stamp(self, last: bool) -> dict[str, Any]:
         return {}
 
-    def measure_prompt_effect(self, models: list[tuple[nn.Module, Any]], state: dict[str, Any]) -> None:
-        """state["prompt_effect"] from (model, batches of (x, y, mask)) pairs, when the backbone can drop prompts."""
+    def prompt_effect_tally(self) -> PromptEffectTally | None:
+        """A tally of the final model(s)' prompt effect (state["prompt_effect"]), or None when the backbone cannot
+        drop prompts."""
         if self.backbone is None or not hasattr(self.backbone, "prompts_disabled"):
-            return
-        if not any(prompt_effect_applies(m) for m, _ in models):
-            state["prompt_effect"] = {"applicable": False}
-            return
-        effect = PromptEffect()
-        for model, batches in models:
-            compare_model(model, self.backbone, batches, effect)
-        state["prompt_effect"] = effect.as_dict()
+            return None
+        return PromptEffectTally(self.backbone)
 
 
 class ClassIncrementalRegime(ServerSideRegime):
@@ -97,8 +94,10 @@ class ClassIncrementalRegime(ServerSideRegime):
             state["total"] = [r.total for r in results]
             if self.class_groups is not None:
                 state["class_groups"] = entry["class_groups"]
-            if task == len(self.evaluator.subsets) - 1:
-                self.measure_prompt_effect([(server.global_model(), self.batches(task))], state)
+            tally = self.prompt_effect_tally() if task == len(self.evaluator.subsets) - 1 else None
+            if tally is not None:
+                tally.add(server.global_model(), self.batches(task))
+                state["prompt_effect"] = tally.result()
         return entry
 
     def batches(self, after: int) -> Any:
@@ -166,16 +165,16 @@ class SlotEvaluator:
         for x, y in sub.batches(self.batch_size, self.transform, device=self.device):
             yield x, y, mask
 
-    def evaluate(self, models: dict[int, nn.Module], label_tasks: list[int]) -> list[dict[str, Any]]:
-        """{label_task, client, client_task, correct, total, accuracy} per label-space task g, with `models[g]`."""
+    def evaluate(self, model: nn.Module, label_tasks: list[int]) -> list[dict[str, Any]]:
+        """{label_task, client, client_task, correct, total, accuracy} per label-space task g that `model` serves;
+        its logits are computed once per test image and domain."""
         s, space = self.scenario, self.scenario.label_space
         owners = s.owners or [(0, g) for g in range(len(s.task_classes))]
-        by_input: dict[tuple[int, ImageDomain | None], list[int]] = {}  # (model, domain) → its tasks
+        by_domain: dict[ImageDomain | None, list[int]] = {}
         for g in label_tasks:
-            by_input.setdefault((id(models[g]), self.domain(g)), []).append(g)
+            by_domain.setdefault(self.domain(g), []).append(g)
         out = []
-        for (_, domain), groups in by_input.items():
-            model = models[groups[0]]
+        for domain, groups in by_domain.items():
             union = np.unique(np.concatenate([s.test_indices[g] for g in groups]))
             logits = self.logits(model, union, domain)
             for g in groups:
@@ -194,7 +193,7 @@ class SlotEvaluator:
                         "accuracy": 100.0 * correct / total if total else float("nan"),
                     }
                 )
-        return sorted(out, key=lambda r: r["label_task"])
+        return out
 
 
 def points_from_log(log: list[dict[str, Any]], stage_end_only: bool = True) -> list[dict[int, float]]:
@@ -240,17 +239,16 @@ def slot_summary(
 SCORED_ORDER = ("global", "client", "task")
 
 
-def scored_model(server: ServerProgram, models: dict[int, nn.Module], owners: list[tuple[int, int]]) -> str:
-    """Which model one task-aware evaluation scored, from the objects the server served per label-space task g:
+def scored_model(keys: dict[int, Hashable | None], owners: list[tuple[int, int]]) -> str:
+    """Which model one task-aware evaluation scored, from the `ServerProgram.model_key` of each label-space task g:
     `global` (every g got the global model), `task` (some client's tasks got different models: one model per
-    (client, task), the direct reference) or `client` (client-specific models, one per client, e.g. CPA)."""
-    glob = server.global_model()
-    if all(m is glob for m in models.values()):
+    (client, task), Powder, the direct reference) or `client` (client-specific models, one per client, e.g. CPA)."""
+    if all(k is None for k in keys.values()):
         return "global"
-    per_client: dict[int, set[int]] = {}
-    for g, m in models.items():
-        per_client.setdefault(owners[g][0], set()).add(id(m))
-    return "task" if any(len(ids) > 1 for ids in per_client.values()) else "client"
+    per_client: dict[int, set[Hashable | None]] = {}
+    for g, k in keys.items():
+        per_client.setdefault(owners[g][0], set()).add(k)
+    return "task" if any(len(ks) > 1 for ks in per_client.values()) else "client"
 
 
 class SlotRegime(ServerSideRegime):
@@ -268,17 +266,25 @@ class SlotRegime(ServerSideRegime):
 
     def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
         owners, tasks = self.scenario.owners or [], self.scenario.trained_label_tasks(task)
-        models = {
-            g: server.client_model(owners[g][0], g) if self.cfg.model == "auto" else server.global_model()
-            for g in tasks
-        }
-        results = self.evaluator.evaluate(models, tasks)
-        kind = scored_model(server, models, owners)  # the most specific evidence over the run's evaluations
+        keys = {g: server.model_key(owners[g][0], g) if self.cfg.model == "auto" else None for g in tasks}
+        served: dict[Hashable | None, list[int]] = {}  # model → the tasks it serves: each model is asked for once
+        for g in tasks:
+            served.setdefault(keys[g], []).append(g)
+        tally = self.prompt_effect_tally() if last and task == self.scenario.num_tasks - 1 else None
+        results = []
+        for key, group in served.items():  # one model at a time: the server may reuse one object for all of them
+            model = server.global_model() if key is None else server.client_model(owners[group[0]][0], group[0])
+            results += self.evaluator.evaluate(model, group)
+            if tally is not None:
+                for g in group:
+                    tally.add(model, self.evaluator.task_batches(g))
+        if tally is not None:
+            state["prompt_effect"] = tally.result()
+        kind = scored_model(keys, owners)  # the most specific evidence over the run's evaluations
         state["scored_model"] = max(kind, state.get("scored_model", "global"), key=SCORED_ORDER.index)
+        results.sort(key=lambda r: r["label_task"])
         for r in results:
             state["evaluations"].append({"stage": task, "round": rnd, "stage_end": last, **r})
-        if last and task == self.scenario.num_tasks - 1:
-            self.measure_prompt_effect([(models[g], self.evaluator.task_batches(g)) for g in tasks], state)
         return {"accuracy": {str(r["label_task"]): r["accuracy"] for r in results}}
 
     def learned_tasks(self, state: dict[str, Any]) -> list[LearnedTask]:

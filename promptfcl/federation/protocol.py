@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -363,9 +363,25 @@ class ServerProgram(_Program, ABC):
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         """The model that serves `client`'s label-space task in task-aware per-(client, task) evaluation (default:
         the global one; servers that send each client its own parameters, like C2Prompt's CPA, return that
-        client's; the direct single-task reference returns the task's own model). Equal arguments must give the
-        same object within one evaluation."""
+        client's; the direct single-task reference and Powder return the task's own model). A server may reuse
+        one object for every such model, so the result is only valid until the next call: memory then stays flat
+        however many clients and tasks there are."""
         return self.global_model()
+
+    def eval_model(self) -> nn.Module:
+        """One model from the method's factory, built once and in eval mode, for a `client_model` that serves every
+        (client, task) model through one object; built under a forked RNG so building it never moves the run."""
+        if getattr(self, "_eval_model", None) is None:
+            with torch.random.fork_rng(devices=[]):  # building a pool draws its first block: keep the run's RNG
+                self._eval_model = self.new_model().eval()
+        return self._eval_model
+
+    def model_key(self, client: int, label_task: int) -> Hashable | None:
+        """Which model `client_model(client, label_task)` is: None for the global model, else a key shared by
+        exactly the (client, task) pairs one model serves (C2Prompt's CPA: the client; Powder and the direct
+        reference: the task). The evaluator asks for each model once and tests all its tasks with it, and reads
+        from these keys which model was scored (metrics.json `scored_model`)."""
+        return None
 
     def evaluate_message(self) -> Message:
         """What clients receive to test the current global model on their own data (`client_local` regime):

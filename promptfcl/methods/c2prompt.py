@@ -388,7 +388,6 @@ class C2PromptServer(FedAvgServer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # client → its pool (created from the global one)
-        self._eval_models: dict[int, PromptedClassifier] = {}
         self.cpa_diagnostics: dict[str, float] = {}  # how the last CPA mixed (see `cpa_mix`)
 
     def begin_task(self, task: int) -> None:
@@ -473,13 +472,14 @@ class C2PromptServer(FedAvgServer):
         return dict(zip(clients, mixed, strict=True)), diagnostics
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
-        if client not in self._eval_models:
-            with torch.random.fork_rng(devices=[]):  # building a pool draws its first block: keep the run's RNG
-                self._eval_models[client] = self.new_model().eval()
-        m = self._eval_models[client]
+        """Client k's CPA model, in one object reused for every client (valid until the next call)."""
+        m = self.eval_model()
         m.load_state_dict(self.client_state(client), assign=True)  # the held pool's own tensors: no second copy
         m.prompt.set_task(self.model.prompt.task)
         return m
+
+    def model_key(self, client: int, label_task: int) -> int:
+        return client
 
     def state(self) -> Record:
         record = super().state()
@@ -550,7 +550,6 @@ class DirectServer(FedAvgServer):
         super().__init__(*args, **kwargs)
         self.initial = self.model.get_state()
         self.tasks: dict[int, dict[str, torch.Tensor]] = {}
-        self._eval_models: dict[int, PromptedClassifier] = {}
 
     def begin_task(self, task: int) -> None:
         self.model.prompt.set_task(0)
@@ -567,14 +566,15 @@ class DirectServer(FedAvgServer):
         return {**round_loss(trained), "clients": len(replies)}
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
+        """Task g's own model, in one object reused for every task (valid until the next call)."""
         g = -1 if label_task is None else label_task
-        if g not in self._eval_models:
-            with torch.random.fork_rng(devices=[]):
-                self._eval_models[g] = self.new_model().eval()
-        m = self._eval_models[g]
+        m = self.eval_model()
         m.load_state_dict(self.tasks.get(g, self.initial), assign=True)  # the held state's own tensors: no copy
         m.prompt.set_task(0)
         return m
+
+    def model_key(self, client: int, label_task: int) -> int:
+        return label_task
 
     def state(self) -> Record:
         record = Record({f"init/{n}": t for n, t in self.initial.items()})

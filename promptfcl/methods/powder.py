@@ -312,7 +312,7 @@ class PowderServer(FedAvgServer):
         self.class_weight = torch.zeros(self.env.label_space.num_logits)  # 1 − max class correlation per logit
         self.signatures: dict[int, Signature] = {}  # label task → its prompt-choosing signature
         self.class_signatures: dict[int, Signature] = {}  # logit → its class signature
-        self._eval_models: dict[int, PromptedClassifier] = {}
+        self._task_model: PromptedClassifier | None = None
         self._global: PromptedClassifier | None = None
 
     # -------------------------------------------------------------------- blocks and generation
@@ -450,14 +450,17 @@ class PowderServer(FedAvgServer):
         return ReplySchema({**required, **self.reply_tensors()}, self.reply_groups(), scalars)
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
-        """Task g's own generated prompt (one model per (client, task)) with the global head."""
+        """Task g's own generated prompt with the global head: one model per (client, task), all in one reused
+        object (valid until the next call)."""
         if label_task is None:
             return self.global_model()
-        if label_task not in self._eval_models:
-            self._eval_models[label_task] = self.model_with_blocks(self.params.top_k)
-        m = self._eval_models[label_task]
-        m.set_state(self.task_state(label_task))
-        return m
+        if self._task_model is None:
+            self._task_model = self.model_with_blocks(self.params.top_k)
+        self._task_model.set_state(self.task_state(label_task))
+        return self._task_model
+
+    def model_key(self, client: int, label_task: int) -> int:
+        return label_task
 
     def global_model(self) -> nn.Module:
         """The code's server-side view: every trained task's generated block, prompts divided by their number."""
