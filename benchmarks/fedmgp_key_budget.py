@@ -1,0 +1,179 @@
+"""Why FedMGP's local keys route test images at chance in the CPU evidence study: how far the keys move.
+
+FedMGP (§4.2, Eq. 10) picks a client's fine local prompt at test time by cosine between the global-prompted query
+V(x') and one key per class. In training the prompt is chosen by the label, so the keys get gradient only from the
+pull constraint, 1 − cos(V(x'), k_y), and Adam moves every coordinate of a key by about lr per step however small
+λ2 is. This script replays, for one client of the evidence study (`configs/cpu/evidence/personalized.yaml`, seed
+0), exactly the keys' part of training: its 5 tasks in order, 2 rounds per task, a fresh Adam per round (as the
+method), batches of 16 of the task's own training images, the pull loss of the method's `ClassPrefixPool` on the
+real V(x') (the hybrid ViT-Tiny with the study's fused global prompts from a finished run's checkpoint, read out
+as the mean of the prompt tokens, as the method). After the last task it measures the test-time hit rate on the
+client's local test images of all its tasks (top-1 among the 40 classes of its tasks, `local_select:
+seen`; chance 2.5 %), the keys'
+displacement over their U(−1, 1) init, and two ceilings: keys set to the class means of V(x') (the pull
+constraint's optimum) and the nearest class mean of the unprompted CLS feature.
+
+Grid: local epochs per round (the study's 2, then 5-100) × lr (the paper's 1e-3, the study's 5e-3) × 3 key inits.
+
+    PROMPTFCL_ASSETS=/path/to/assets python benchmarks/fedmgp_key_budget.py \\
+        --out benchmarks/results/fedmgp_key_budget.json
+
+Needs the assets and `benchmarks/results/evidence_cpu/fedmgp/seed0/checkpoint.safetensors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from promptfcl.config import load_config
+from promptfcl.prompts.class_prefix import ClassPrefixPool
+from promptfcl.runtime import Runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, ROUNDS = 16, 2
+CHECKPOINT = "checkpoint.safetensors"
+
+
+@torch.no_grad()
+def features(rt: Runtime, model: torch.nn.Module, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """V(x') (the method's local query) and the unprompted CLS feature of train-split images `idx`."""
+    split, tf = rt.dataset.train, rt.env.eval_transform
+    vx, cls = [], []
+    for i in range(0, len(idx), 64):
+        x = tf(split.images[torch.as_tensor(idx[i : i + 64])])
+        vx.append(model.local_query(x))
+        cls.append(rt.env.backbone(x, None))
+    return torch.cat(vx), torch.cat(cls)
+
+
+def hit_rate(keys: torch.Tensor, q: torch.Tensor, y: torch.Tensor, allowed: torch.Tensor) -> float:
+    sim = F.normalize(q, dim=1) @ F.normalize(keys, dim=1).T
+    sim[:, ~allowed] = float("-inf")
+    return 100.0 * float((sim.argmax(1) == y).float().mean())
+
+
+def train_keys(
+    tasks: list[tuple[torch.Tensor, torch.Tensor]], num_classes: int, dim: int, epochs: int, lr: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' training in the method's order; returns (init, final) keys."""
+    torch.manual_seed(seed)
+    pool = ClassPrefixPool(dim, num_classes, layers=(2,), length=1)
+    init = pool.keys.detach().clone()
+    g = torch.Generator().manual_seed(seed)
+    for q, y in tasks:
+        for _ in range(ROUNDS):
+            opt = torch.optim.Adam([pool.keys], lr=lr)  # fresh per phase per round, as the method
+            for _ in range(epochs):
+                order = torch.randperm(len(y), generator=g)
+                for b in range(0, len(y), BATCH):
+                    i = order[b : b + BATCH]
+                    loss = pool.pull_loss(q[i], y[i].unsqueeze(1))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+    return init, pool.keys.detach().clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs/cpu/evidence/personalized.yaml"))
+    ap.add_argument("--checkpoint", default=str(ROOT / "benchmarks/results/evidence_cpu/fedmgp/seed0" / CHECKPOINT))
+    ap.add_argument("--client", type=int, default=0)
+    ap.add_argument("--epochs", default="2,5,10,25,100")
+    ap.add_argument("--lrs", default="0.001,0.005")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/fedmgp_key_budget.json"))
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    t0 = time.perf_counter()
+    rt = Runtime.build(load_config(args.config))
+    s, k = rt.scenario, args.client
+    _, client = rt.programs()
+    model = client.new_model().eval()
+    ckpt = load_file(args.checkpoint)
+    model.load_state_dict({n[len("server/") :]: t for n, t in ckpt.items() if n.startswith("server/global_pool.")},
+                          strict=False)  # fmt: skip
+    targets = rt.dataset.train.targets.numpy()
+    space = s.label_space
+    to_logit = {c: j for t in space.tasks for c, j in zip(t.classes, t.logits, strict=True)}
+    tasks, test_q, test_cls, test_y, train_cls, train_y = [], [], [], [], [], []
+    for t in range(s.num_tasks):
+        idx, test_idx = s.client_train[t][k], s.client_test[t][k]
+        q, cls = features(rt, model, idx)
+        y = torch.tensor([to_logit[int(c)] for c in targets[idx]])
+        tasks.append((q, y))
+        train_cls.append(cls), train_y.append(y)
+        tq, tcls = features(rt, model, test_idx)
+        test_q.append(tq), test_cls.append(tcls)
+        test_y.append(torch.tensor([to_logit[int(c)] for c in targets[test_idx]]))
+    tq, ty = torch.cat(test_q), torch.cat(test_y)
+    allowed = torch.zeros(space.num_logits, dtype=torch.bool)  # every class of its tasks (`local_select: seen`)
+    allowed[[to_logit[c] for t in s.client_tasks[k] for c in t]] = True
+    dim = tq.shape[1]
+    out: dict = {
+        "config": os.path.relpath(args.config, ROOT),
+        "client": k,
+        "classes": int(allowed.sum()),
+        "chance": 100.0 / int(allowed.sum()),
+        "train_images_per_task": [len(y) for _, y in tasks],
+        "test_images": len(ty),
+        "seconds_features": time.perf_counter() - t0,
+    }
+    # ceilings: keys at the class means of V(x') (the pull optimum), NCM on the unprompted CLS feature
+    qs, ys = torch.cat([q for q, _ in tasks]), torch.cat([y for _, y in tasks])
+    means = torch.zeros(space.num_logits, dim)
+    for c in ys.unique():
+        means[c] = F.normalize(qs[ys == c], dim=1).mean(0)
+    out["hit_class_mean_keys"] = hit_rate(means, tq, ty, allowed)
+    cls_means = torch.zeros(space.num_logits, dim)
+    cs = torch.cat(train_cls)
+    for c in ys.unique():
+        cls_means[c] = F.normalize(cs[ys == c], dim=1).mean(0)
+    out["ncm_unprompted_cls"] = hit_rate(cls_means, torch.cat(test_cls), ty, allowed)
+    print(f"client {k}: {out['classes']} classes, chance {out['chance']:.1f} %, {len(ty)} test images")
+    print(
+        f"ceilings: class-mean keys on V(x') {out['hit_class_mean_keys']:.1f} %, "
+        f"NCM on CLS {out['ncm_unprompted_cls']:.1f} %"
+    )
+    rows = []
+    for lr in [float(v) for v in args.lrs.split(",")]:
+        for epochs in [int(v) for v in args.epochs.split(",")]:
+            hits, moves, cos_mean = [], [], []
+            for seed in range(args.seeds):
+                init, keys = train_keys(tasks, space.num_logits, dim, epochs, lr, seed)
+                hits.append(hit_rate(keys, tq, ty, allowed))
+                trained = torch.zeros_like(allowed)
+                trained[ys.unique()] = True
+                moves.append(float(((keys - init)[trained].norm(dim=1) / init[trained].norm(dim=1)).mean()))
+                cos_mean.append(float(F.cosine_similarity(keys[trained], means[trained]).mean()))
+            steps = sum(ROUNDS * epochs * -(-len(y) // BATCH) for _, y in tasks) // len(tasks)
+            row = {"lr": lr, "epochs_per_round": epochs, "steps_per_task": steps, "hit": hits,
+                   "displacement_over_init": moves, "cos_to_class_mean": cos_mean}  # fmt: skip
+            rows.append(row)
+            print(
+                f"lr {lr:g} epochs {epochs:>3} ({steps:>4} steps/task): hit {statistics.mean(hits):5.1f} % "
+                f"(seeds {', '.join(f'{h:.1f}' for h in hits)}), |k - k0| / |k0| {statistics.mean(moves):.3f}, "
+                f"cos(k, class mean) {statistics.mean(cos_mean):.3f}",
+                flush=True,
+            )
+    out["rows"] = rows
+    out["loadavg_before"], out["loadavg_after"] = list(load_before), list(os.getloadavg())
+    out["seconds"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"written to {args.out} ({out['seconds']:.0f} s, load {out['loadavg_before']} -> {out['loadavg_after']})")
+
+
+if __name__ == "__main__":
+    main()
