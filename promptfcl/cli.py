@@ -65,11 +65,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from promptfcl.study import execute, load_study, plan, summarize_study
+    from promptfcl.study import execute, load_study, plan, stale_runs, summarize_study
 
     study, study_dir = load_study(args.study)
     out = Path(args.out) if args.out else Path("results") / "studies" / study.name
     runs = plan(study, study_dir, out)
+    for r in stale_runs(runs, args.rerun_changed):
+        console.print(f"  {r.cell} seed {r.seed}: its cell's config changed; moved aside, runs again")
     todo = [r for r in runs if not r.finished]
     random_init = sorted({r.cell for r in runs if "RANDOM_INIT" in r.config_path.read_text()})
     if random_init:
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--out", help="study directory (default: results/studies/NAME)")
     st.add_argument("--jobs", type=int, default=1, help="runs at once (CPU threads are split between them)")
     st.add_argument("--no-report", action="store_true", help="write only summary.md/csv/json, not report.md/html")
+    st.add_argument("--rerun-changed", action="store_true", help="runs started under another config than their "
+                    "cell's now are moved aside (seed<k>.replaced-<n>/) and run again (default: refuse)")  # fmt: skip
     st.set_defaults(func=_study)
     cp = sub.add_parser("compare", help="compare finished runs: report.md + self-contained report.html")
     cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (seeds of one config "

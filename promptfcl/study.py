@@ -20,11 +20,12 @@ section (methods have different keys); its `set` list is applied after it. `swee
 the cell's list wins for a key both name) expands a cell into the cartesian grid of its values, each point a
 cell of its own named `<cell>-<key>=<value>…` (key: the last part of the dotted path) with the point's
 overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
-finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint, and up to
-`jobs` run at once with the CPU threads split between them, seed by seed (every cell's first seed before any
-second one, so partial results already compare every cell). The table (mean ± std over seeds) goes to
-`OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report OUT` reads).
-`direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
+finished runs (a `metrics.json`) are never redone, interrupted ones resume from their checkpoint (a run started
+under another config than its cell's now is refused, or with `--rerun-changed` moved aside and run again:
+`stale_runs`), and up to `jobs` run at once with the CPU threads split between them, seed by seed (every
+cell's first seed before any second one, so partial results already compare every cell). The table (mean ± std
+over seeds) goes to `OUT/summary.{md,csv,json}`, the plan of cells to `OUT/study.json` (what `promptfcl report
+OUT` reads). `direct_cell` names the cell whose runs are the direct single-task reference for the transfer metrics (FWT,
 total transfer) of asynchronous (Powder/C2Prompt) runs; they are computed at summary time, per seed.
 """
 
@@ -236,6 +237,58 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
     }
     atomic_write_text(out / "study.json", json.dumps(plan_json, indent=2))
     return runs
+
+
+PATH_KEYS = ("data.root", "backbone.weights")  # where the same files lie on this machine: not part of the run
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def changed_keys(run: StudyRun) -> list[str] | None:
+    """The config keys a started run (its `config.yaml`) differs in from its cell's config now, compared after
+    validation (so a field added later with its default is no change) and without the machine's paths; None when
+    the run has not started (or is a probe row)."""
+    saved = run.run_dir / "config.yaml"
+    if run.probe or not saved.is_file():
+        return None
+    now = _flat(read_yaml(run.config_path))
+    try:
+        then = _flat(build_config(read_yaml(saved)).model_dump(mode="json"))
+    except ConfigError as e:
+        return [f"(its config no longer validates: {str(e).splitlines()[0]})"]
+    keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+    return [k for k in keys if k not in PATH_KEYS and not k.startswith(tuple(f"{p}." for p in PATH_KEYS))]
+
+
+def stale_runs(runs: list[StudyRun], rerun: bool = False) -> list[StudyRun]:
+    """Started runs whose cell config has changed since (`changed_keys`). A study must not average seeds run under
+    different configs: without `rerun` this raises a ConfigError that names them and the keys; with `rerun` each
+    is moved aside to `seed<k>.replaced-<n>/` (kept, never deleted) so that it runs again. Returns them."""
+    stale = [(r, keys) for r in runs if (keys := changed_keys(r))]
+    if stale and not rerun:
+        lines = [f"{r.cell} seed {r.seed} ({r.run_dir}): {', '.join(keys[:6])}{' …' if len(keys) > 6 else ''}"
+                 for r, keys in stale]  # fmt: skip
+        raise ConfigError(
+            f"{len(stale)} run(s) of this study were started with another config than their cell's now:\n  "
+            + "\n  ".join(lines)
+            + "\nrestore the cells' configs, or pass --rerun-changed to move those runs aside and run them again"
+        )
+    for r, _ in stale:
+        n = 1
+        while (aside := r.run_dir.with_name(f"{r.run_dir.name}.replaced-{n}")).exists():
+            n += 1
+        r.run_dir.rename(aside)
+        log = r.run_dir.with_name(f"{r.run_dir.name}.log")
+        if log.is_file():
+            log.rename(aside.with_name(f"{aside.name}.log"))
+    return [r for r, _ in stale]
 
 
 def _command(run: StudyRun) -> list[str]:

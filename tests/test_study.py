@@ -9,7 +9,7 @@ import yaml
 
 from promptfcl.cli import main
 from promptfcl.config import ConfigError
-from promptfcl.study import execute, load_study, plan
+from promptfcl.study import execute, load_study, plan, stale_runs
 
 from .conftest import tiny_raw
 
@@ -154,3 +154,31 @@ def test_interrupted_study_starts_nothing_new_and_resumes_without_redoing(tmp_pa
     assert main(["study", str(path), "--out", str(out), "--jobs", "1"]) == 0
     assert (seed0 / "metrics.json").stat().st_mtime_ns == finished_at  # not redone
     assert all((out / "fedavg_prompt" / f"seed{s}" / "metrics.json").is_file() for s in range(3))
+
+
+def test_a_run_started_under_another_config_than_its_cells_is_refused_or_moved_aside(tmp_path) -> None:
+    """Finished runs are never redone, so a cell whose config changed after some seeds ran would silently average
+    seeds of two configs. A started run is compared with its cell after validation (a field added later with its
+    default and the machine's data path are no change); a real change is refused with the run and the key named,
+    or, asked to, the run is moved aside (kept) and runs again."""
+    path = write_study(tmp_path, {"a": {"method": {"name": "fedavg_prompt", "lr": 0.01}}})
+    study, study_dir = load_study(path)
+    out = tmp_path / "out"
+    runs = plan(study, study_dir, out)
+    for r in runs:  # as if each had started: the run writes its resolved config
+        saved = yaml.safe_load(r.config_path.read_text())
+        del saved["engine"]["precision"]  # written before that field existed: its default now
+        saved["data"]["root"] = str(tmp_path / "elsewhere")  # another machine's copy of the data
+        r.run_dir.mkdir(parents=True)
+        (r.run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert stale_runs(runs) == []
+    path = write_study(tmp_path, {"a": {"method": {"name": "fedavg_prompt", "lr": 0.02}}})
+    study, study_dir = load_study(path)
+    runs = plan(study, study_dir, out)
+    with pytest.raises(ConfigError, match=r"a seed 0 .*method\.lr"):
+        stale_runs(runs)
+    assert all(r.run_dir.is_dir() for r in runs)  # refusing moves nothing
+    moved = stale_runs(runs, rerun=True)
+    assert [(r.cell, r.seed) for r in moved] == [("a", 0), ("a", 1)]
+    assert not runs[0].run_dir.exists() and (out / "a" / "seed0.replaced-1" / "config.yaml").is_file()
+    assert stale_runs(plan(study, study_dir, out)) == []
