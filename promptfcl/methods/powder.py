@@ -312,7 +312,6 @@ class PowderServer(FedAvgServer):
         self.class_weight = torch.zeros(self.env.label_space.num_logits)  # 1 − max class correlation per logit
         self.signatures: dict[int, Signature] = {}  # label task → its prompt-choosing signature
         self.class_signatures: dict[int, Signature] = {}  # logit → its class signature
-        self._task_model: PromptedClassifier | None = None
         self._global: PromptedClassifier | None = None
 
     # -------------------------------------------------------------------- blocks and generation
@@ -454,10 +453,9 @@ class PowderServer(FedAvgServer):
         object (valid until the next call)."""
         if label_task is None:
             return self.global_model()
-        if self._task_model is None:
-            self._task_model = self.model_with_blocks(self.params.top_k)
-        self._task_model.set_state(self.task_state(label_task))
-        return self._task_model
+        m = self.eval_model()  # the factory's model: top_k generated-block slots, as every task is served
+        m.set_state(self.task_state(label_task))
+        return m
 
     def model_key(self, client: int, label_task: int) -> int:
         return label_task
