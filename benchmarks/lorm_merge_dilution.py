@@ -23,17 +23,13 @@ import torch
 
 from promptfcl.adapters.lora import FixedDeltas, site_key
 from promptfcl.backbones.prompt_spec import LoRADelta
-from promptfcl.checkpoint import load_checkpoint
-from promptfcl.config import load_config
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.model import PromptedClassifier
 from promptfcl.runtime import Runtime
 
 
 def diagnose(run: Path) -> dict:
-    rt = Runtime.build(load_config(run / "config.yaml"))
-    server, _ = rt.programs()
-    server.load_state(load_checkpoint(run, restore_rng=False).server)
+    rt, server = Runtime.restore_server(run)
     past, sites, scale = server.past, server.adapter.sites, server.params.lora_scale
     ev = Evaluator(rt.dataset.test, rt.scenario, rt.env.eval_transform, 64, rt.device)
 

@@ -23,8 +23,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from promptfcl.checkpoint import load_checkpoint
-from promptfcl.config import load_config
 from promptfcl.runtime import Runtime
 
 
@@ -68,9 +66,7 @@ def layer_shares(model: torch.nn.Module, x: torch.Tensor) -> dict[int, dict[str,
 
 @torch.no_grad()
 def diagnose(run: Path, images: int) -> dict:
-    rt = Runtime.build(load_config(run / "config.yaml"))
-    server, _ = rt.programs()
-    server.load_state(load_checkpoint(run, restore_rng=False).server)
+    rt, server = Runtime.restore_server(run)
     model = server.global_model().eval()
     pool = torch.as_tensor(np.concatenate([np.asarray(i) for i in rt.scenario.test_indices]))  # the run's classes
     idx = pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(0))[:images]]

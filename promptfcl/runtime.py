@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from promptfcl.backbones.precision import compile_problem, precision_problem
 from promptfcl.backbones.vit import BackboneError, build_vit
-from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error
+from promptfcl.checkpoint import load_checkpoint
+from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error, load_config
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
 from promptfcl.data.cache import CacheError, default_cache_dir, materialize
 from promptfcl.evaluation.regimes import check_regime
@@ -307,3 +308,12 @@ class Runtime:
             return self.spec.programs(self.env, self.params)
         except ValueError as e:
             raise ConfigError(f"method: {e}") from None
+
+    @classmethod
+    def restore_server(cls, run_dir: Path) -> tuple[Runtime, ServerProgram]:
+        """A finished (or interrupted) run's runtime and its server at the last checkpoint, for diagnostics that
+        inspect trained models (the global RNG is left as it is)."""
+        rt = cls.build(load_config(Path(run_dir) / "config.yaml"), Path(run_dir) / "scenario.json")
+        server, _ = rt.programs()
+        server.load_state(load_checkpoint(Path(run_dir), restore_rng=False).server)
+        return rt, server
