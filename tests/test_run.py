@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from promptfcl.config import build_config
 from promptfcl.experiment import Experiment
@@ -71,3 +72,20 @@ def test_prompt_and_head_are_what_travels(tmp_path: Path) -> None:
 
 
 # Resume after SIGKILL (three random rounds), SIGTERM and damaged checkpoints: tests/test_crash_safety.py
+
+
+def test_restore_server_gives_back_the_finished_runs_model(tmp_path: Path) -> None:
+    """Diagnostics (benchmarks/*.py) load a finished run through `Runtime.restore_server`: its global model must be
+    the one the run scored, so the last row of the accuracy matrix is reproduced from the checkpoint alone."""
+    from promptfcl.evaluation.evaluator import Evaluator
+    from promptfcl.runtime import Runtime
+
+    metrics = Experiment(tiny_config(), tmp_path, show_progress=False).run()
+    rt, server = Runtime.restore_server(tmp_path)
+    fresh = rt.programs()[0].global_model().state_dict()
+    restored = server.global_model().state_dict()
+    assert any(not torch.equal(fresh[k], restored[k]) for k in restored)  # not the factory's initial model
+    ev = Evaluator(rt.dataset.test, rt.scenario, rt.env.eval_transform, 64, rt.device)
+    last = len(metrics["accuracy_matrix"]) - 1
+    scored = [r.accuracy for r in ev.evaluate(server.global_model().eval(), last)]
+    assert scored == pytest.approx(metrics["accuracy_matrix"][last][: len(scored)], abs=1e-6)
