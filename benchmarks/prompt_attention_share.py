@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from promptfcl.backbones.vit import attention_qkv
 from promptfcl.runtime import Runtime
 
 
@@ -46,20 +47,14 @@ def layer_shares(model: torch.nn.Module, x: torch.Tensor) -> dict[int, dict[str,
     rows = {}
     for i, xn in inputs.items():
         attn = backbone.vit.blocks[i].attn
-        b, n, _ = xn.shape
-        h, hd = attn.num_heads, attn.head_dim
-        q, k, v = attn.qkv(xn).reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        pk_raw, pv_raw = spec.prefix[i]
-        pk = pk_raw.expand(b, -1, -1).reshape(b, -1, h, hd).transpose(1, 2)
-        pv = pv_raw.expand(b, -1, -1).reshape(b, -1, h, hd).transpose(1, 2)
-        logits = torch.cat([q @ pk.transpose(-1, -2), q @ k.transpose(-1, -2)], -1) * attn.scale
-        share = logits.softmax(-1)[..., : pk.shape[2]].sum(-1)  # (B, h, n)
+        q, k, v = attention_qkv(attn, xn, spec.prefix[i])  # the prefix is the first L keys / values
+        L = spec.prefix[i][0].shape[-2]
+        share = ((q @ k.transpose(-1, -2)) * attn.scale).softmax(-1)[..., :L].sum(-1)  # (B, heads, tokens)
         rows[i] = {
             "prefix_share_all_tokens": float(share.mean()),
             "prefix_share_cls": float(share[..., 0].mean()),
-            "key_norm_ratio": float(pk.norm(dim=-1).mean() / k.norm(dim=-1).mean()),
-            "value_norm_ratio": float(pv.norm(dim=-1).mean() / v.norm(dim=-1).mean()),
+            "key_norm_ratio": float(k[:, :, :L].norm(dim=-1).mean() / k[:, :, L:].norm(dim=-1).mean()),
+            "value_norm_ratio": float(v[:, :, :L].norm(dim=-1).mean() / v[:, :, L:].norm(dim=-1).mean()),
         }
     return rows
 

@@ -40,6 +40,27 @@ def _linear(layer: nn.Module, x: torch.Tensor, delta: LoRADelta | None) -> torch
     return y if delta is None else y + delta.apply(x)
 
 
+def attention_qkv(
+    attn: nn.Module,
+    x: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qkv_delta: LoRADelta | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head queries, keys and values (B, heads, tokens, head_dim) of a timm `Attention` on `x`, the prefix
+    keys/values (B|1, L, d) prepended to K and V (the first L of their tokens)."""
+    b, n, _ = x.shape
+    h, hd = attn.num_heads, attn.head_dim
+    qkv = _linear(attn.qkv, x, qkv_delta)
+    q, k, v = qkv.reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    if prefix is not None:
+        pk = _expand(prefix[0], b).reshape(b, -1, h, hd).transpose(1, 2).to(k.dtype)
+        pv = _expand(prefix[1], b).reshape(b, -1, h, hd).transpose(1, 2).to(v.dtype)
+        k = torch.cat([pk, k], dim=2)
+        v = torch.cat([pv, v], dim=2)
+    return q, k, v
+
+
 def adapted_attention(
     attn: nn.Module,
     x: torch.Tensor,
@@ -49,17 +70,9 @@ def adapted_attention(
     """timm `Attention.forward` with prefix keys/values (B|1, L, d) prepended to K and V and/or low-rank deltas
     on its `qkv` and `proj` projections."""
     lora = lora or {}
-    b, n, c = x.shape
-    h, hd = attn.num_heads, attn.head_dim
+    b, n, _ = x.shape
     gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    qkv = _linear(attn.qkv, x, lora.get("qkv"))
-    q, k, v = qkv.reshape(b, n, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    if prefix is not None:
-        pk = _expand(prefix[0], b).reshape(b, -1, h, hd).transpose(1, 2).to(k.dtype)
-        pv = _expand(prefix[1], b).reshape(b, -1, h, hd).transpose(1, 2).to(v.dtype)
-        k = torch.cat([pk, k], dim=2)
-        v = torch.cat([pv, v], dim=2)
+    q, k, v = attention_qkv(attn, x, prefix, lora.get("qkv"))
     out = F.scaled_dot_product_attention(q, k, v)
     out = out.transpose(1, 2).reshape(b, n, -1)
     out = attn.norm(out)
