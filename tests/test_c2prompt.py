@@ -6,7 +6,9 @@ reports say was scored."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,6 +151,21 @@ def test_lcdc_lowers_the_nll_and_pulls_client_class_means_together() -> None:
     assert gap_after < 0.7 * gap_before
 
 
+def test_split_ce_separates_compensated_from_plain_samples() -> None:
+    """The LCDC shortcut diagnostic: the round's CE means over the samples that carried their label's compensation
+    prompt and over the others, accumulated across batches (hand-computed on two batches)."""
+    client = SimpleNamespace(_split_ce=torch.zeros(4, dtype=torch.float64))
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    y = torch.tensor([0, 0, 1])
+    C2PromptClient.record_split_ce(client, logits, y, torch.tensor([True, False, False]))
+    C2PromptClient.record_split_ce(client, logits[:1], y[:1], torch.tensor([True]))
+    easy, hard, even = math.log(1 + math.exp(-2)), math.log(1 + math.exp(2)), math.log(2)
+    out = C2PromptClient.split_ce(client)
+    assert out["lcdc_ce_compensated"] == pytest.approx(easy)
+    assert out["lcdc_ce_plain"] == pytest.approx((hard + even) / 2)
+    assert C2PromptClient.split_ce(SimpleNamespace(_split_ce=torch.tensor([1.0, 1.0, 0.0, 0.0]))) == {}
+
+
 def test_cpa_rows_sum_to_one_and_weight_agreeing_clients_more() -> None:
     # 3 clients x 2 components over 4 classes: client 1's profiles agree with client 0's, client 2's are reversed
     h0 = torch.tensor([[5.0, 1.0, 0.0, 0.0], [1.0, 5.0, 0.0, 0.0]])
@@ -262,6 +279,8 @@ def test_c2prompt_run_sends_each_client_its_own_prompts_and_lcdc_fits(tmp_path: 
     assert len(stage_starts) == 2 and all(r["lcdc_nll_after"] < r["lcdc_nll_before"] for r in stage_starts)
     assert all(r["lcdc_nll_unprompted"] != r["lcdc_nll_before"] for r in stage_starts)  # q(x), not the fresh prompt
     assert all("lcdc_nll_after" not in r for r in rounds if r["round"] > 0)
+    for r in rounds:  # every round trains with the stage's compensation prompts, so both CE means are logged
+        assert r["lcdc_ce_compensated"] > 0 and r["lcdc_ce_plain"] > 0
     assert stage_starts[0]["messages"] == 6  # statistics exchange + train, 3 clients
     for r in rounds:  # CPA's mixing diagnostics: a component keeps part of itself and mixes with other clients
         assert 0 < r["cpa_self_weight"] <= r["cpa_own_client_weight"] < 1 and 0 < r["cpa_weight_entropy"] <= 1

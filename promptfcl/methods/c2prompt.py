@@ -34,7 +34,9 @@ Round 0 (`lcdc`, §4.2 Eq. 1–4):
    freshly initialised (`lcdc_nll_before`) and the trained prompts (`lcdc_nll_after`).
 Rounds 1..N_r (§4.3): CE over the task's own slots (+ β·L_kd, below) with the label's frozen compensation prompt
 appended to each sample with probability p = 0.5; the client accumulates H_k[l, m, c] = Σ_{x of real class c}
-α^{(l)}_m(x) over the stage's N components of every prompted layer l. No compensation prompt at test time.
+α^{(l)}_m(x) over the stage's N components of every prompted layer l. No compensation prompt at test time. Each
+round logs the mean CE of the compensated and of the plain samples (`lcdc_ce_compensated`, `lcdc_ce_plain`): the
+compensation prompt is picked by the label, so their gap measures how much of the label it hands the head.
 Server CPA (§4.4 Eq. 10): per layer, stack the K·N stage components P and histograms H of all participants,
 W = row-softmax(H Hᵀ / τ), P* = W P; client k receives its own N rows of P* (a client-specific downlink); keys
 and attention vectors are mixed with the same W (our inference). Head rows are per-(client, task) slots, each
@@ -101,7 +103,7 @@ from promptfcl.training.compensation import train_compensation
 from promptfcl.training.local import LossFn
 
 POOL_TENSORS = ("prompt.prompts", "prompt.keys", "prompt.attention")
-LCDC_METRICS = ("lcdc_nll_unprompted", "lcdc_nll_before", "lcdc_nll_after")
+LCDC_METRICS = ("lcdc_nll_unprompted", "lcdc_nll_before", "lcdc_nll_after", "lcdc_ce_compensated", "lcdc_ce_plain")
 
 
 class StageCodaParams(PoolTrainingParams):
@@ -225,6 +227,7 @@ class C2PromptClient(SupervisedClient):
         super().__init__(*args, **kwargs)
         self._teacher: nn.Module | None = None  # per-message scratch: the received model (when kd_weight > 0)
         self._hist = torch.zeros(0)  # per-message scratch: the CPA histogram being accumulated
+        self._split_ce = torch.zeros(4, dtype=torch.float64)  # per-message scratch: CE sums / counts, see split_ce
 
     def handle(self, message: Message, ctx: ClientContext) -> Message:
         if message.kind == "stats":
@@ -239,7 +242,9 @@ class C2PromptClient(SupervisedClient):
             return Message({}, {"num_samples": 0, "loss": 0.0, **stats}, kind="train_reply")
         self._teacher = copy.deepcopy(model).eval() if self.params.kd_weight > 0 else None
         self._hist = torch.zeros(*self.histogram_shape(model), self.env.label_space.num_real_classes)
+        self._split_ce.zero_()
         stats.update(self.train(model, ctx, message))
+        stats.update(self.split_ce())
         reply = self.reply(model, ctx, stats)
         reply.tensors["cpa/hist"] = self._hist
         reply.scalars.update({k: v for k, v in stats.items() if k.startswith("lcdc")})
@@ -311,6 +316,8 @@ class C2PromptClient(SupervisedClient):
                 feats[rows] = backbone(x[rows], spec.select(rows, len(x)).merge(extra))
             logits = model.head(feats)
             total = F.cross_entropy(masked_logits(logits, mask), y) + model.prompt.aux_loss
+            if comp is not None:
+                self.record_split_ce(masked_logits(logits, mask), y, use)
             if self._teacher is not None and old_mask is not None:
                 with torch.no_grad():
                     t_logits = self._teacher(x)
@@ -324,6 +331,22 @@ class C2PromptClient(SupervisedClient):
             return total
 
         return loss
+
+    @torch.no_grad()
+    def record_split_ce(self, logits: torch.Tensor, y: torch.Tensor, compensated: torch.Tensor) -> None:
+        """Add the batch's CE, split by whether the sample carried its label's compensation prompt."""
+        ce = F.cross_entropy(logits, y, reduction="none").double().cpu()
+        c = compensated.cpu()
+        self._split_ce += torch.stack([ce[c].sum(), c.sum().double(), ce[~c].sum(), (~c).sum().double()])
+
+    def split_ce(self) -> dict[str, float]:
+        """The round's mean CE on compensated (`lcdc_ce_compensated`) and plain (`lcdc_ce_plain`) samples. The
+        compensation prompt is chosen by the label and absent at test time: a compensated CE far below the plain
+        one means it hands the head the label (a shortcut the test images do not have)."""
+        s_c, n_c, s_p, n_p = self._split_ce.tolist()
+        if n_c == 0 or n_p == 0:
+            return {}
+        return {"lcdc_ce_compensated": s_c / n_c, "lcdc_ce_plain": s_p / n_p}
 
     def histogram_shape(self, model: PromptedClassifier) -> tuple[int, int]:
         """(prompted layers, components) of the histogram: the current stage's block."""
