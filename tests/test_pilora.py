@@ -26,8 +26,10 @@ def test_orthogonality_term_is_zero_only_for_orthogonal_subspaces() -> None:
     rows = orthonormal_rows(12, 9)
     old, cur = [rows[0:3], rows[3:6]], rows[6:9]  # three mutually orthogonal rank-3 subspaces
     assert float(orthogonality_loss(cur * 2.5, old)) < 1e-5  # scale does not matter, only the subspaces
-    tilted = cur + 0.1 * old[1]
-    assert float(orthogonality_loss(tilted, old)) > 0.1
+    # tilted towards one old subspace and away from the other: the signed overlaps cancel (+0.3 - 0.3), the
+    # absolute ones add up to 0.6 (each old A sees a ±0.1·I block)
+    tilted = cur + 0.1 * old[1] - 0.1 * old[0]
+    assert float(orthogonality_loss(tilted, old)) == pytest.approx(0.6, abs=1e-5)
     assert float(orthogonality_loss(cur, [])) == 0.0
     # only the current A gets gradients: earlier tasks' A are fixed targets
     a_old, a_cur = old[0].clone().requires_grad_(), tilted.clone().requires_grad_()
