@@ -15,6 +15,10 @@ claims:
     diagnosis: "why, when not reproduced (a mechanism-level finding, with where its evidence is)"
 ```
 
+`worse_study` (optional) reads the beaten cell from another study, e.g. a peers study run beside the headline one.
+The two studies must derive their seeds from the same base configs (seed k is the same scenario in both); the
+claim checks that every paired seed's `scenario.json` is identical in the two run directories.
+
 For every claim: the per-seed difference better − worse over the seeds both cells finished, its mean, the 95 %
 Student-t interval and the count of seeds favouring `better` (`statistics.paired`), and a status —
 - `invalid`: a run of either cell failed the validity gate (`evaluation.validity`); the difference is shown but
@@ -42,6 +46,7 @@ class Claim(StrictModel):
     id: str
     paper: str
     study: str | None = None
+    worse_study: str | None = Field(None, description="the study of `worse` when it is not `study`")
     better: str
     worse: str
     metric: str = "faa"
@@ -80,21 +85,44 @@ def _row(summary: dict[str, Any], cell: str, where: Path) -> dict[str, Any]:
     raise ConfigError(f"{where}: no cell {cell!r} in its summary.json (cells: {cells})")
 
 
-def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, Any]:
-    """The claim's paired difference, status and the cells' failed validity checks, from the study summary."""
-    if claim.unavailable or claim.study is None:
-        reason = claim.unavailable or "no study named"
-        return {"claim": claim.model_dump(), "failed": {}, "difference": None, "status": "invalid", "reason": reason}
-    where = (base / claim.study).resolve()
+def _summary(claim: Claim, where: Path) -> dict[str, Any]:
     path = where / "summary.json"
     if not path.is_file():
         raise ConfigError(f"claim {claim.id}: {path} not found; run the study first (promptfcl study …)")
-    summary = json.loads(path.read_text())
-    rows = {c: _row(summary, c, where) for c in (claim.better, claim.worse)}
+    return json.loads(path.read_text())
+
+
+def _check_same_scenarios(claim: Claim, dirs: dict[str, Path], seeds: list[int]) -> None:
+    """Cells paired across two studies must have run the same scenario for every paired seed."""
+    for seed in seeds:
+        texts = {c: (d / f"seed{seed}" / "scenario.json") for c, d in dirs.items()}
+        if all(p.is_file() for p in texts.values()):
+            a, b = (json.loads(p.read_text()) for p in texts.values())
+            if a != b:
+                raise ConfigError(
+                    f"claim {claim.id}: seed {seed} of {claim.better!r} and {claim.worse!r} ran different scenarios "
+                    f"({' vs '.join(map(str, texts.values()))}); pair cells whose studies share base configs"
+                )
+
+
+def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, Any]:
+    """The claim's paired difference, status and the cells' failed validity checks, from the study summaries."""
+    if claim.unavailable or claim.study is None:
+        reason = claim.unavailable or "no study named"
+        return {"claim": claim.model_dump(), "failed": {}, "difference": None, "status": "invalid", "reason": reason}
+    studies = {
+        claim.better: (base / claim.study).resolve(),
+        claim.worse: (base / (claim.worse_study or claim.study)).resolve(),
+    }
+    rows = {c: _row(_summary(claim, where), c, where) for c, where in studies.items()}
     values: dict[str, dict[int, float]] = {}
     for cell, row in rows.items():
         per_seed = row.get("per_seed") or {}
         values[cell] = {int(s): v[claim.metric] for s, v in per_seed.items() if v.get(claim.metric) is not None}
+    if claim.worse_study:
+        _check_same_scenarios(
+            claim, {c: d / c for c, d in studies.items()}, sorted(set(values[claim.better]) & set(values[claim.worse]))
+        )
     sign = -1.0 if claim.lower_is_better else 1.0
     a = {s: sign * v for s, v in values[claim.better].items()}
     b = {s: sign * v for s, v in values[claim.worse].items()}
@@ -144,7 +172,8 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
     lines.append("")
     for r in results:
         c, d = r["claim"], r["difference"]
-        lines += [f"## {c['id']}", "", f"Study: `{c['study']}`." if c["study"] else "No study."]
+        where = f"`{c['study']}`" + (f" (`{c['worse']}` from `{c['worse_study']}`)" if c["worse_study"] else "")
+        lines += [f"## {c['id']}", "", f"Study: {where}." if c["study"] else "No study."]
         if d is not None:
             per = ", ".join(f"seed {s}: {x:+.2f}" for s, x in zip(d.seeds, d.differences, strict=True))
             lines.append(f"Per-seed advantage ({c['metric']}): {per}.")

@@ -9,6 +9,7 @@ import yaml
 
 from promptfcl.claims import claims_markdown, evaluate_claim, load_claims
 from promptfcl.cli import main
+from promptfcl.config import ConfigError
 from promptfcl.statistics.paired import paired_difference, t_quantile
 
 from .conftest import tiny_raw
@@ -80,6 +81,25 @@ def test_a_claim_that_cannot_be_evidenced_here_is_invalid_with_its_reason(tmp_pa
     claims, base = load_claims(tmp_path / "claims.yaml")
     assert evaluate_claim(claims.claims[0], base)["status"] == "invalid"
     assert "Invalid because: no pretrained CLIP text tower." in claims_markdown(claims, base, "c.yaml")
+
+
+def test_worse_study_pairs_across_studies_and_refuses_different_scenarios(tmp_path) -> None:
+    for study, cell, values in (("head", "new", [5, 6, 7, 6, 5]), ("peers", "old", [1, 2, 2, 1, 3])):
+        rows = [{"cell": cell, "per_seed": {str(s): {"faa": v} for s, v in enumerate(values)}, "invalid": {}}]
+        (tmp_path / study).mkdir()
+        (tmp_path / study / "summary.json").write_text(json.dumps({"rows": rows}))
+        for s in range(5):
+            (tmp_path / study / cell / f"seed{s}").mkdir(parents=True)
+            (tmp_path / study / cell / f"seed{s}" / "scenario.json").write_text(json.dumps({"seed": s}))
+    claim = {"id": "c", "paper": "P", "study": "head", "worse_study": "peers", "better": "new", "worse": "old"}
+    (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [claim]}))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "reproduced" and result["difference"].differences == [4, 4, 5, 5, 2]
+    assert "`old` from `peers`" in claims_markdown(claims, base, "claims.yaml")
+    (tmp_path / "peers" / "old" / "seed3" / "scenario.json").write_text(json.dumps({"seed": 99}))
+    with pytest.raises(ConfigError, match="seed 3 .* ran different scenarios"):
+        evaluate_claim(claims.claims[0], base)
 
 
 @pytest.mark.slow
