@@ -41,6 +41,11 @@ Paper vs official code (SkyOfBeginning/FedMGP @ fca3643) — paper defaults, cod
   (`local_top_k`, `local_batchwise`, `local_select: seen | task | all`).
 - weight decay: code Adam(wd 1e-3) on whole pool tensors (unused prompts decay every step, methods.md §3.9.6);
   paper states plain Adam: `weight_decay` 0 (set 1e-3 for the code's drift). Fresh optimizer per phase per round.
+- local keys' lr: the paper trains everything with one Adam lr. The keys get gradient only from λ2's pull term,
+  so Adam moves them about lr per step whatever λ2 is, and at a small step budget they route test images at chance
+  (benchmarks/fedmgp_key_budget.py: what matters is lr × steps). `local_key_lr` gives them their own lr (None:
+  `lr`, the paper); prompts, heads and the global phase are unaffected (the keys take no part in their gradients
+  in training, where the prompt is chosen by the label).
 - head: code MLP d→512→ReLU→C on the mean of the global-prompt token outputs (`head_type='prompt'`); the paper
   does not say: same as the code by default (`head`, `readout`).
 Ablations (paper §5.3): `global_prompt: false` (w/o global prompt), `local_prompt: false` (w/o local prompt;
@@ -112,7 +117,7 @@ from promptfcl.prompts.class_prefix import ClassPrefixPool
 from promptfcl.prompts.l2p import L2PPool
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import numpy_rng, seed_everything, torch_generator
-from promptfcl.training.local import LocalTrainingParams, train_local
+from promptfcl.training.local import LocalTrainingParams, make_optimizer, train_local
 
 
 class FedMGPParams(LocalTrainingParams):
@@ -136,6 +141,9 @@ class FedMGPParams(LocalTrainingParams):
     local_layers: list[int] = Field(default_factory=lambda: [2, 3, 4])
     local_length: int = Field(10, gt=0)
     local_pull_coef: float = Field(0.1, ge=0, description="λ2")
+    local_key_lr: float | None = Field(
+        None, gt=0, description="Adam lr of the local keys (None: `lr`, the paper); they learn from λ2 alone"
+    )
     local_top_k: int = Field(1, gt=0)
     local_batchwise: bool = False
     local_select: Literal["seen", "task", "all"] = "seen"
@@ -275,7 +283,7 @@ class FedMGPClient(ClientProgram):
                 return _ce(logits, y, mk) + p.local_pull_coef * m.local_aux
 
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "local"), ctx.device,
-                                local_loss)  # fmt: skip
+                                local_loss, self._local_optimizer(model))  # fmt: skip
             losses.append(stats["loss"])
             final = stats  # the phase whose head is evaluated: its final-epoch loss is the validity gate's
         self._trainable(model, [])
@@ -312,6 +320,15 @@ class FedMGPClient(ClientProgram):
             return {}
         candidates = int(allowed.sum()) if allowed is not None else model.local_pool.keys.shape[0]
         return {"local_key_hit": 100.0 * hits / n, "local_key_chance": key_chance(p.local_top_k, candidates)}
+
+    def _local_optimizer(self, model: MGPModel) -> torch.optim.Optimizer | None:
+        """Phase 2's optimizer when the local keys have their own lr (`local_key_lr`); None: train_local's own."""
+        p = self.params
+        if p.local_key_lr is None:
+            return None
+        keys = model.local_pool.keys
+        rest = [q for q in model.parameters() if q.requires_grad and q is not keys]
+        return make_optimizer(p, [{"params": rest}, {"params": [keys], "lr": p.local_key_lr}])
 
     @staticmethod
     def _trainable(model: MGPModel, prefixes: list[str]) -> None:

@@ -44,7 +44,8 @@ def coda_cosine_factor(epoch: int, epochs: int) -> float:
     return 1.0 if epochs <= 1 else math.cos(99 * math.pi * epoch / (200 * (epochs - 1)))
 
 
-def make_optimizer(p: LocalTrainingParams, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(p: LocalTrainingParams, params: list[nn.Parameter] | list[dict]) -> torch.optim.Optimizer:
+    """`p`'s optimizer over `params`: parameters, or torch param groups (a group's own `lr` overrides `p.lr`)."""
     if p.optimizer == "sgd":
         return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
     cls = torch.optim.AdamW if p.optimizer == "adamw" else torch.optim.Adam
@@ -121,8 +122,8 @@ def train_local(
     for epoch in range(p.local_epochs):
         epoch_total, epoch_steps = torch.zeros((), dtype=torch.float64, device=device), 0
         if p.lr_schedule == "coda_cosine":
-            for g in opt.param_groups:
-                g["lr"] = p.lr * coda_cosine_factor(epoch, p.local_epochs)
+            for g in opt.param_groups:  # relative to each group's own lr
+                g["lr"] = g.setdefault("base_lr", g["lr"]) * coda_cosine_factor(epoch, p.local_epochs)
         for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
             loss = loss_fn(model, x, y, mask)
             opt.zero_grad(set_to_none=True)

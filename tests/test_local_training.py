@@ -1,0 +1,33 @@
+"""The shared local-training loop: per-group learning rates under CODA-P's per-epoch cosine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from promptfcl.training.local import LocalTrainingParams, coda_cosine_factor, make_optimizer, train_local
+
+
+def test_coda_cosine_scales_each_param_group_from_its_own_lr() -> None:
+    """A group with its own lr keeps its ratio to the others through the per-epoch cosine (it used to be reset to
+    the method's lr at every epoch)."""
+
+    p = LocalTrainingParams(lr=0.01, local_epochs=3, lr_schedule="coda_cosine", batch_size=4, grad_clip=None)
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    opt = make_optimizer(p, [{"params": [a]}, {"params": [b], "lr": 0.1}])
+    seen: list[tuple[float, float]] = []
+
+    class Data:
+        def __len__(self) -> int:
+            return 4
+
+        def batches(self, *args, **kwargs):
+            seen.append(tuple(g["lr"] for g in opt.param_groups))
+            yield torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)
+
+    model = nn.Linear(2, 2)
+    model.a, model.b = a, b
+    train_local(model, Data(), p, torch.ones(2, dtype=torch.bool), lambda x: x, torch.Generator(), "cpu",
+                      lambda m, x, y, mk: m(x).sum() + m.a.sum() + m.b.sum(), opt)  # fmt: skip
+    expected = [(0.01 * coda_cosine_factor(e, 3), 0.1 * coda_cosine_factor(e, 3)) for e in range(3)]
+    assert torch.allclose(torch.tensor(seen, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
