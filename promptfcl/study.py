@@ -240,6 +240,7 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
 
 
 PATH_KEYS = ("data.root", "backbone.weights")  # where the same files lie on this machine: not part of the run
+LABEL_KEYS = ("name",)  # the run's label (`<study>_<cell>`): a run moved to another study computes the same
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -253,7 +254,8 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def changed_keys(run: StudyRun) -> list[str] | None:
     """The config keys a started run (its `config.yaml`) differs in from its cell's config now, compared after
-    validation (so a field added later with its default is no change) and without the machine's paths; None when
+    validation (so a field added later with its default is no change) and without the machine's paths or the run's
+    name (a run moved from one study to another that shares its base configs is the same run); None when
     the run has not started (or is a probe row)."""
     saved = run.run_dir / "config.yaml"
     if run.probe or not saved.is_file():
@@ -264,7 +266,8 @@ def changed_keys(run: StudyRun) -> list[str] | None:
     except ConfigError as e:
         return [f"(its config no longer validates: {str(e).splitlines()[0]})"]
     keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
-    return [k for k in keys if k not in PATH_KEYS and not k.startswith(tuple(f"{p}." for p in PATH_KEYS))]
+    ignored = (*PATH_KEYS, *LABEL_KEYS)
+    return [k for k in keys if k not in ignored and not k.startswith(tuple(f"{p}." for p in PATH_KEYS))]
 
 
 def stale_runs(runs: list[StudyRun], rerun: bool = False) -> list[StudyRun]:

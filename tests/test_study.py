@@ -169,6 +169,7 @@ def test_a_run_started_under_another_config_than_its_cells_is_refused_or_moved_a
         saved = yaml.safe_load(r.config_path.read_text())
         del saved["engine"]["precision"]  # written before that field existed: its default now
         saved["data"]["root"] = str(tmp_path / "elsewhere")  # another machine's copy of the data
+        saved["name"] = "another_study_a"  # moved here from another study
         r.run_dir.mkdir(parents=True)
         (r.run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     assert stale_runs(runs) == []
