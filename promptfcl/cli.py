@@ -65,11 +65,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _study(args: argparse.Namespace) -> int:
-    from promptfcl.study import execute, load_study, plan, stale_runs, summarize_study
+    from promptfcl.study import execute, load_study, plan, select_runs, stale_runs, summarize_study
 
     study, study_dir = load_study(args.study)
     out = Path(args.out) if args.out else Path("results") / "studies" / study.name
-    runs = plan(study, study_dir, out)
+    runs = select_runs(study, plan(study, study_dir, out), args.cells, args.seeds)
     for r in stale_runs(runs, args.rerun_changed):
         console.print(f"  {r.cell} seed {r.seed}: its cell's config changed; moved aside, runs again")
     todo = [r for r in runs if not r.finished]
@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--no-report", action="store_true", help="write only summary.md/csv/json, not report.md/html")
     st.add_argument("--rerun-changed", action="store_true", help="runs started under another config than their "
                     "cell's now are moved aside (seed<k>.replaced-<n>/) and run again (default: refuse)")  # fmt: skip
+    st.add_argument("--cells", help="run only these cells (comma-separated; a swept cell's name selects all its "
+                    "points); the summary still lists every finished run")  # fmt: skip
+    st.add_argument("--seeds", help="run only these of the study's seeds (comma-separated)")
     st.set_defaults(func=_study)
     cp = sub.add_parser("compare", help="compare finished runs: report.md + self-contained report.html")
     cp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (seeds of one config "

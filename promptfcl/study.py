@@ -239,6 +239,27 @@ def plan(study: StudyConfig, study_dir: Path, out: Path) -> list[StudyRun]:
     return runs
 
 
+def select_runs(study: StudyConfig, runs: list[StudyRun], cells: str | None, seeds: str | None) -> list[StudyRun]:
+    """The runs of the named cells (a study cell's name selects every sweep point of it) and seeds; None: all."""
+    if cells:
+        wanted = {c.strip() for c in cells.split(",") if c.strip()}
+        names = {c.name: c.source for c in expand_cells(study)}
+        unknown = sorted(wanted - set(names) - set(names.values()))
+        if unknown:
+            raise ConfigError(f"study {study.name}: no cell {', '.join(unknown)} (cells: {', '.join(names)})")
+        runs = [r for r in runs if r.cell in wanted or names[r.cell] in wanted]
+    if seeds:
+        try:
+            chosen = {int(s) for s in seeds.split(",") if s.strip()}
+        except ValueError:
+            raise ConfigError(f"--seeds {seeds!r}: give comma-separated integers, e.g. --seeds 0,1") from None
+        missing = sorted(chosen - set(study.seeds))
+        if missing:
+            raise ConfigError(f"study {study.name}: seeds {missing} are not among its seeds {study.seeds}")
+        runs = [r for r in runs if r.seed in chosen]
+    return runs
+
+
 PATH_KEYS = ("data.root", "backbone.weights")  # where the same files lie on this machine: not part of the run
 LABEL_KEYS = ("name",)  # the run's label (`<study>_<cell>`): a run moved to another study computes the same
 

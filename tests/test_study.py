@@ -9,7 +9,7 @@ import yaml
 
 from promptfcl.cli import main
 from promptfcl.config import ConfigError
-from promptfcl.study import execute, load_study, plan, stale_runs
+from promptfcl.study import execute, load_study, plan, select_runs, stale_runs
 
 from .conftest import tiny_raw
 
@@ -105,6 +105,25 @@ def test_sweep_names_use_the_full_path_when_last_parts_clash_and_bad_sweeps_are_
         path = write_study(tmp_path, {"a": {"sweep": bad}})
         with pytest.raises(ConfigError, match=msg):
             load_study(path)
+
+
+def test_cells_and_seeds_select_a_subset_of_the_runs(tmp_path) -> None:
+    """`--cells` / `--seeds` pick runs: a study cell's name selects all its sweep points, an expanded name one of
+    them; unknown names and seeds outside the study are refused with the valid ones."""
+    path = write_study(tmp_path, {"plain": {}, "lr": {"sweep": {"method.lr": [0.01, 0.001]}}})
+    study, study_dir = load_study(path)
+    runs = plan(study, study_dir, tmp_path / "out")
+
+    def picked(cells: str | None, seeds: str | None) -> list[tuple[str, int]]:
+        return [(r.cell, r.seed) for r in select_runs(study, runs, cells, seeds)]
+
+    assert picked(None, None) == [(r.cell, r.seed) for r in runs]
+    assert picked("lr", "1") == [("lr-lr=0.01", 1), ("lr-lr=0.001", 1)]
+    assert picked("plain,lr-lr=0.001", None) == [("plain", 0), ("lr-lr=0.001", 0), ("plain", 1), ("lr-lr=0.001", 1)]
+    with pytest.raises(ConfigError, match="no cell nope .*cells: plain, lr-lr=0.01"):
+        picked("nope", None)
+    with pytest.raises(ConfigError, match=r"seeds \[7\] are not among"):
+        picked(None, "0,7")
 
 
 def test_missing_backbone_weights_fall_back_to_a_labelled_random_init_only_when_asked(tmp_path) -> None:
