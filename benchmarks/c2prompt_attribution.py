@@ -20,11 +20,12 @@ import statistics
 from pathlib import Path
 
 EVIDENCE = Path("benchmarks/results/evidence_cpu")
+PEERS = Path("benchmarks/results/evidence_peers")
 CONTROLS = Path("benchmarks/results/evidence_controls_async")
 CELLS = {
     "c2prompt": EVIDENCE / "c2prompt",
     "fedcodap": EVIDENCE / "fedcodap",
-    "powder": EVIDENCE / "powder",
+    "powder": PEERS / "powder",
     "c2prompt (controls study)": CONTROLS / "c2prompt",
     "cpa only (no LCDC)": CONTROLS / "c2prompt_no_lcdc",
     "lcdc only (no CPA)": CONTROLS / "c2prompt_no_cpa",
