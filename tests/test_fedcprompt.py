@@ -114,3 +114,17 @@ def test_without_c2l_on_a_synchronous_scenario_it_is_fed_codap(tmp_path) -> None
     assert runs["off"][0]["accuracy_matrix"] == runs["codap"][0]["accuracy_matrix"]
     assert all(torch.equal(runs["off"][1][n], t) for n, t in runs["codap"][1].items())
     assert not torch.equal(runs["on"][1]["prompt.prompts"], runs["codap"][1]["prompt.prompts"])  # C2L changes training
+
+
+def test_c2l_holds_the_clients_representation_near_the_received_models() -> None:
+    """C2L's positive term is a leash to the received global model: the logged final-epoch distance between the
+    client's prompted features and the received model's (`c2l_distance`) shrinks as the weight grows, and the
+    representation's norm (`c2l_anchor_norm`) is logged beside it for scale."""
+    reach = {}
+    for weight in (1e-6, 1.0):
+        rt, server, grid = programs_on_a_grid(fcp(c2l_weight=weight, local_epochs=3))
+        server.begin_task(0)
+        metrics = run_round(server, grid, 0, 0, (0, 1, 2))
+        reach[weight] = metrics["c2l_distance"]
+        assert metrics["c2l_anchor_norm"] > 0
+    assert reach[1.0] < 0.5 * reach[1e-6], reach

@@ -62,6 +62,9 @@ from promptfcl.scenario.label_space import masked_logits
 from promptfcl.training.local import LossFn
 
 PREV = "fcp_prev/"  # the previous-task model in the client's state
+# logged per round (client means): the C2L term; in the final local epoch, the mean distance between the client's
+# representation and the received model's on the same images, and the representation's norm
+DIAGNOSTICS = ("c2l_loss", "c2l_distance", "c2l_anchor_norm")
 
 
 class FedCPromptParams(CodaParams):
@@ -105,6 +108,7 @@ class FedCPromptClient(SupervisedClient):
         self._positive: nn.Module | None = None  # working copies, reloaded for every message
         self._negative: nn.Module | None = None
         self._terms: list[tuple[float, float]] = []  # per-step (CE, C2L) of the message being handled
+        self._reach: list[tuple[float, float]] = []  # per-step mean ‖a − p‖ and ‖a‖ (how far C2L lets a move)
 
     def pool_task(self, ctx: ClientContext) -> int:
         return sequence_position(self.env, ctx.task, ctx.client_id)
@@ -144,7 +148,10 @@ class FedCPromptClient(SupervisedClient):
                 with torch.no_grad():
                     pos = represent(positive, x)[pick]
                     neg = represent(negative, x)[pick] if negative is not None else None
-                c2l = p.c2l_weight * contrastive_continual_loss((feats, logits)[pick], pos, neg, p)
+                anchor = (feats, logits)[pick]
+                c2l = p.c2l_weight * contrastive_continual_loss(anchor, pos, neg, p)
+                a = anchor.detach()
+                self._reach.append((float((a - pos).norm(dim=1).mean()), float(a.norm(dim=1).mean())))
             self._terms.append((float(ce.detach()), float(c2l.detach())))
             return ce + model.prompt.aux_loss + c2l
 
@@ -153,27 +160,37 @@ class FedCPromptClient(SupervisedClient):
     def train(self, model: nn.Module, ctx: ClientContext, message: Message) -> dict[str, float]:
         """Local training; `last_loss` is the final epoch's CE (the validity gate's learning signal, compared with
         ln K), `c2l_loss` the mean C2L term, `loss` the mean of the whole objective."""
-        self._terms = []
+        self._terms, self._reach = [], []
         stats = super().train(model, ctx, message)
+        steps = math.ceil(len(ctx.train_data) / self.params.batch_size)
         if self._terms:
-            last = self._terms[-math.ceil(len(ctx.train_data) / self.params.batch_size) :]
+            last = self._terms[-steps:]
             stats["last_loss"] = sum(ce for ce, _ in last) / len(last)
             stats["c2l_loss"] = sum(c for _, c in self._terms) / len(self._terms)
+        if self._reach:  # the final epoch: how far from the received model's representation C2L let the client go
+            last = self._reach[-steps:]
+            stats["c2l_distance"] = sum(d for d, _ in last) / len(last)
+            stats["c2l_anchor_norm"] = sum(n for _, n in last) / len(last)
         return stats
 
     def reply(self, model: nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         reply = super().reply(model, ctx, stats)
-        if "c2l_loss" in stats:
-            reply.scalars["c2l_loss"] = float(stats["c2l_loss"])
+        for key in DIAGNOSTICS:
+            if key in stats:
+                reply.scalars[key] = float(stats[key])
         return reply
 
 
 class FedCPromptServer(FedAvgServer):
-    """FedAvg of every tensor (head rows from their owners); logs the round's mean C2L term."""
+    """FedAvg of every tensor (head rows from their owners); logs the round's mean C2L term and reach."""
 
     def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
-        values = [float(r.scalars["c2l_loss"]) for r in replies.values() if "c2l_loss" in r.scalars]
-        return {"c2l_loss": sum(values) / len(values)} if values else {}
+        out = {}
+        for key in DIAGNOSTICS:
+            values = [float(r.scalars[key]) for r in replies.values() if key in r.scalars]
+            if values:
+                out[key] = sum(values) / len(values)
+        return out
 
 
 def build_model(env: MethodEnv, p: FedCPromptParams) -> PromptedClassifier:
