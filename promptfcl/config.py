@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -462,6 +463,23 @@ class ExperimentConfig(StrictModel):
 # --------------------------------------------------------------------------------------------- loading
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: `1e-4` is a number (YAML 1.1, PyYAML's default, needs `1.0e-4`
+    and reads `1e-4` as a string), so configs, overrides and sweep values all read exponents as numbers."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text → Python values, with `ConfigLoader` (exponent floats read as numbers)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b.c=value` → (["a", "b", "c"], value parsed as YAML)."""
     if "=" not in text:
@@ -470,7 +488,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
     return key.strip().split("."), value
@@ -496,7 +514,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = load_yaml(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

@@ -76,6 +76,21 @@ def test_overrides_and_yaml(tmp_path) -> None:
         load_config(bad)
 
 
+def test_exponent_floats_are_numbers_in_files_overrides_and_dumps(tmp_path) -> None:
+    """`1e-4` without a dot is a float (YAML 1.2; PyYAML's YAML 1.1 reads it as a string) in a config file and in an
+    override, so the dumped config holds a number and a re-read compares equal (study runs are matched this way)."""
+    from promptfcl.config import dump_config, load_yaml
+
+    p = tmp_path / "c.yaml"
+    p.write_text("method:\n  name: fedvit\n  lr: 1e-4\n")
+    cfg = load_config(p, ["method.weight_decay=1e-07"])
+    params = cfg.method.params_dict()
+    assert params["lr"] == 1e-4 and params["weight_decay"] == 1e-7
+    again = load_yaml(dump_config(cfg))["method"]
+    assert isinstance(again["lr"], float) and again["weight_decay"] == 1e-7
+    assert load_yaml("a: 1e\nb: e5\nc: 12") == {"a": "1e", "b": "e5", "c": 12}  # not numbers / still an int
+
+
 def test_cli_prints_errors_without_traceback(tmp_path, capsys) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("scenario:\n  num_clientz: 3\n")

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from promptfcl.config import ConfigError
+from promptfcl.config import ConfigError, load_yaml
 
 FIXED_SUMMARY = {"faa": "FAA (%)", "average_forgetting": "forgetting (%)", "bwt": "BWT (%)"}
 HIDDEN_SUMMARY = {"sample_weighted_accuracy"}  # in every run's own report; redundant with FAA in the table
@@ -99,7 +97,7 @@ def load_run(run_dir: str | Path) -> RunResult:
     return RunResult(
         d,
         json.loads((d / "metrics.json").read_text()),
-        (yaml.safe_load(text) or {}) if text else {},
+        (load_yaml(text) or {}) if text else {},
         text,
         json.loads(env_path.read_text()) if env_path.is_file() else {},
     )
