@@ -273,17 +273,29 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _resolved(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config as the run sees it, flattened: validated, and the method section with its defaults filled in (a
+    method parameter written out at its default is no change)."""
+    from promptfcl.runtime import resolve_method
+
+    cfg = build_config(raw)
+    out = cfg.model_dump(mode="json")
+    out["method"] = {"name": cfg.method.name, **resolve_method(cfg)[1].model_dump(mode="json")}
+    return _flat(out)
+
+
 def changed_keys(run: StudyRun) -> list[str] | None:
     """The config keys a started run (its `config.yaml`) differs in from its cell's config now, compared after
-    validation (so a field added later with its default is no change) and without the machine's paths or the run's
+    validation with every default filled in (so a field added later, or one written out, at its default is no
+    change) and without the machine's paths or the run's
     name (a run moved from one study to another that shares its base configs is the same run); None when
     the run has not started (or is a probe row)."""
     saved = run.run_dir / "config.yaml"
     if run.probe or not saved.is_file():
         return None
-    now = _flat(read_yaml(run.config_path))
+    now = _resolved(read_yaml(run.config_path))
     try:
-        then = _flat(build_config(read_yaml(saved)).model_dump(mode="json"))
+        then = _resolved(read_yaml(saved))
     except ConfigError as e:
         return [f"(its config no longer validates: {str(e).splitlines()[0]})"]
     keys = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
