@@ -26,6 +26,14 @@ the model of the client's previous task:
     L = max(0, Σ_batch (`positive_scale`·‖a − p‖² − `negative_scale`·‖a − n‖²) + `margin`)    (1e3, 1e1, 1 [C])
 and, while the client is on its first task (no previous-task model), the positive term alone, Σ_batch 1e3·‖a − p‖².
 
+What C2L does at the official strength (measured, `benchmarks/fedcprompt_c2l_weight.yaml`, the CPU evidence
+study's asynchronous cell, seed 0): the positive term is a batch *sum* of 1e3 × squared distances against a CE that
+is a batch *mean*, so it holds each client's prompted features within a small radius of the received model's
+(`c2l_distance`, logged per round). CODA-P's init prompts barely move the features (1 − cos 0.0004 against the
+prompt-free forward), and at weights 1 down to 1e-5 the prompts never leave their init (1 − cos 0.0004, 2 % of
+predictions changed, the validity gate's prompt effect fails); they learn at 1e-7 (1 − cos 0.019, half the 0.035
+without C2L). The weight stays the official 1 by default; the evidence cell sets `c2l_weight: 1e-7`.
+
 Paper-vs-code and our switches (→ default):
 - `c2l_on`: `features` (the prompted CLS before the head — the official code's `prelogits` and Powder's
   re-implementation) | `logits` (all logits — HePCo's re-implementation, where a first-task client uses the
