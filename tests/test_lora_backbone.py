@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from promptfcl.adapters import LoRAAdapter
+from promptfcl.adapters import LoRAAdapter, site_key
 from promptfcl.backbones import FrozenViT, LoRADelta, PromptSpec, build_vit
 from promptfcl.config import BackboneConfig
 
@@ -30,15 +30,17 @@ def random_adapter(vit: FrozenViT, layers=(0, 2), targets=ALL, rank=3, scale=0.5
     return adapter
 
 
-def merged_copy(vit: FrozenViT, adapter: LoRAAdapter) -> FrozenViT:
-    """An independent ViT whose frozen weights have ΔW = s·B·A added in place (LoRA's merged inference form)."""
+def merged_copy(vit: FrozenViT, adapter: LoRAAdapter, scale: float = 0.5) -> FrozenViT:
+    """An independent ViT whose frozen weights have ΔW = s·B·A added in place (LoRA's merged inference form), from
+    the adapter's raw A and B and the scale the test chose (not from the adapter's own deltas)."""
     merged = build_vit(CFG)  # a deep copy of a FrozenViT is the same shared backbone: build a second one
     merged.load_state_dict(vit.state_dict())
     with torch.no_grad():
-        for (layer, target), d in adapter.deltas().items():
+        for layer, target in adapter.sites:
             blk = merged.vit.blocks[layer]
             lin = (blk.attn if target in ("qkv", "proj") else blk.mlp).get_submodule(target)
-            lin.weight += d.scale * d.b @ d.a
+            key = site_key((layer, target))
+            lin.weight += scale * adapter.b[key] @ adapter.a[key]
     return merged
 
 

@@ -60,6 +60,27 @@ def test_module_orthogonality_uses_every_previous_task(runtime: Runtime) -> None
     assert float(lora.orthogonality().detach()) == 0.0  # the first task has nothing to be orthogonal to
 
 
+def test_client_loss_adds_the_weighted_orthogonality_term() -> None:
+    """The client's objective carries ort_weight × the orthogonality term (Eq. of §3.2): with task 1's A leaning
+    towards task 0's, the loss at ort_weight 2 exceeds the loss at 0 by exactly twice the term."""
+    losses, terms = {}, {}
+    for weight in (0.0, 2.0):
+        rt = Runtime.build(tiny_config(method={"name": "pilora", "layers": [0, 1], "rank": 2, "ort_weight": weight}))
+        server, client = rt.programs()
+        model = server.model
+        model.prompt.set_task(1)
+        with torch.no_grad():
+            model.prompt.factors[model.prompt.key("av", 1, 0)].add_(
+                0.5 * model.prompt.factors[model.prompt.key("av", 0, 0)]
+            )
+        x = rt.env.eval_transform(rt.dataset.train.images[:4])
+        y, mask = torch.tensor([0, 1, 0, 1]), torch.ones(rt.env.label_space.num_logits, dtype=torch.bool)
+        losses[weight] = float(client.loss_fn(None, None)(model, x, y, mask).detach())
+        terms[weight] = float(model.prompt.orthogonality().detach())
+    assert terms[0.0] == terms[2.0] > 0.01
+    assert losses[2.0] - losses[0.0] == pytest.approx(2.0 * terms[0.0], rel=1e-4)
+
+
 def expected_reweight(protos: list[list[float]], feats: list[list[float]], tau: float) -> list[float]:
     """The paper's equation, written out independently: s_k = 1/Σ_j ‖m_k − f_j‖, min-max, softmax(·/τ)."""
     s = [1.0 / sum(math.dist(m, f) for f in feats) for m in protos]

@@ -109,6 +109,14 @@ def test_generation_takes_in_exactly_the_blocks_w_points_to() -> None:
     assert torch.allclose(state["prompt.rest_prompts"][own], 0.5 * server.pool["prompts"][1])
 
 
+def test_top_tasks_reads_the_served_tasks_row_of_w() -> None:
+    """Task g is served by the trained tasks i with the largest W[g, i] — its row, not its column (here they pick
+    different tasks) — ties going to the earlier task."""
+    W = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.0, 1.0, 0.0, 0.0], [0.05, 0.0, 0.95, 0.0], [0.9, 0.0, 0.0, 0.1]])
+    assert top_tasks(W, [0, 1, 2, 3], 0, 2) == [1, 2]  # the column W[:, 0] would pick 3 first
+    assert top_tasks(W, [0, 2, 3], 0, 2) == [2, 0]  # only trained tasks; W[0, 0] = W[0, 3]: the earlier one
+
+
 def test_correlation_is_the_powered_signature_cosine_over_common_tasks() -> None:
     gen = torch.Generator().manual_seed(0)
     N, L = 2, 3
