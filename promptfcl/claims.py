@@ -30,7 +30,9 @@ Values are read from the committed study summaries (`summary.json`: per-seed val
 
 from __future__ import annotations
 
+import contextlib
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,16 @@ from pydantic import Field
 
 from promptfcl.config import ConfigError, StrictModel, read_yaml
 from promptfcl.statistics.paired import PairedDifference, paired_difference
+
+
+class Control(StrictModel):
+    """A reference cell shown beside a claim (head-only, local-only, frozen-feature probe, an ablation): its mean over
+    seeds and, on the claim's metric, the paired difference of the claim's `better` cell over it."""
+
+    study: str
+    cell: str
+    metric: str | None = Field(None, description="its summary key (default: the claim's metric)")
+    label: str | None = None
 
 
 class Claim(StrictModel):
@@ -52,6 +64,7 @@ class Claim(StrictModel):
     metric: str = "faa"
     lower_is_better: bool = False
     diagnosis: str | None = None
+    controls: list[Control] = Field(default_factory=list, description="reference cells shown beside the pair")
     unavailable: str | None = Field(
         None, description="why no valid evidence can be produced here (the claim is then `invalid` with this reason)"
     )
@@ -94,15 +107,41 @@ def _summary(claim: Claim, where: Path) -> dict[str, Any]:
 
 def _check_same_scenarios(claim: Claim, dirs: dict[str, Path], seeds: list[int]) -> None:
     """Cells paired across two studies must have run the same scenario for every paired seed."""
+    (a_cell, a_dir), (b_cell, b_dir) = dirs.items()
     for seed in seeds:
-        texts = {c: (d / f"seed{seed}" / "scenario.json") for c, d in dirs.items()}
-        if all(p.is_file() for p in texts.values()):
-            a, b = (json.loads(p.read_text()) for p in texts.values())
+        texts = (a_dir / f"seed{seed}" / "scenario.json", b_dir / f"seed{seed}" / "scenario.json")
+        if all(p.is_file() for p in texts):
+            a, b = (json.loads(p.read_text()) for p in texts)
             if a != b:
                 raise ConfigError(
-                    f"claim {claim.id}: seed {seed} of {claim.better!r} and {claim.worse!r} ran different scenarios "
-                    f"({' vs '.join(map(str, texts.values()))}); pair cells whose studies share base configs"
+                    f"claim {claim.id}: seed {seed} of {a_cell!r} and {b_cell!r} ran different scenarios "
+                    f"({' vs '.join(map(str, texts))}); pair cells whose studies share base configs"
                 )
+
+
+def _per_seed(row: dict[str, Any], metric: str) -> dict[int, float]:
+    return {int(s): v[metric] for s, v in (row.get("per_seed") or {}).items() if v.get(metric) is not None}
+
+
+def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Path) -> list[dict[str, Any]]:
+    """Each control's per-seed values, failed checks and, on the claim's metric, better − control paired."""
+    out = []
+    for ctl in claim.controls:
+        where = (base / ctl.study).resolve()
+        row = _row(_summary(claim, where), ctl.cell, where)
+        metric = ctl.metric or claim.metric
+        values = _per_seed(row, metric)
+        item = {"control": ctl, "metric": metric, "values": values, "failed": row.get("invalid") or {}, "diff": None}
+        if metric == claim.metric and not row.get("upper_bound"):
+            seeds = sorted(set(values) & set(better))
+            _check_same_scenarios(claim, {claim.better: better_dir, ctl.cell: where / ctl.cell}, seeds)
+            sign = -1.0 if claim.lower_is_better else 1.0
+            with contextlib.suppress(ValueError):  # fewer than two paired seeds: no interval
+                item["diff"] = paired_difference(
+                    {s: sign * v for s, v in better.items()}, {s: sign * v for s, v in values.items()}
+                )
+        out.append(item)
+    return out
 
 
 def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, Any]:
@@ -115,10 +154,7 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
         claim.worse: (base / (claim.worse_study or claim.study)).resolve(),
     }
     rows = {c: _row(_summary(claim, where), c, where) for c, where in studies.items()}
-    values: dict[str, dict[int, float]] = {}
-    for cell, row in rows.items():
-        per_seed = row.get("per_seed") or {}
-        values[cell] = {int(s): v[claim.metric] for s, v in per_seed.items() if v.get(claim.metric) is not None}
+    values = {cell: _per_seed(row, claim.metric) for cell, row in rows.items()}
     if claim.worse_study:
         _check_same_scenarios(
             claim, {c: d / c for c, d in studies.items()}, sorted(set(values[claim.better]) & set(values[claim.worse]))
@@ -127,7 +163,8 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     a = {s: sign * v for s, v in values[claim.better].items()}
     b = {s: sign * v for s, v in values[claim.worse].items()}
     failed = {c: {s: f for s, f in (rows[c].get("invalid") or {}).items()} for c in rows}
-    out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None}
+    out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None, "values": values}
+    out["controls"] = _controls(claim, base, values[claim.better], studies[claim.better] / claim.better)
     try:
         diff = paired_difference(a, b)
     except ValueError as e:
@@ -146,6 +183,36 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
 
 def _fmt_diff(d: PairedDifference | None) -> str:
     return "–" if d is None else f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
+
+
+def _mean_sd(values: dict[int, float]) -> str:
+    v = list(values.values())
+    if not v:
+        return "–"
+    return f"{statistics.mean(v):.2f} ± {statistics.stdev(v):.2f}" if len(v) > 1 else f"{v[0]:.2f}"
+
+
+def _controls_table(c: dict[str, Any], r: dict[str, Any]) -> list[str]:
+    """The pair and its controls side by side: mean ± sd over seeds, valid seeds, better − control paired."""
+    lines = [
+        f"| cell | study | metric | mean ± sd | valid seeds | `{c['better']}` − cell [95 % CI] | seeds favouring |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell, study in ((c["better"], c["study"]), (c["worse"], c["worse_study"] or c["study"])):
+        vals = r["values"][cell]
+        valid = len(vals) - len(r["failed"].get(cell, {}))
+        diff = r["difference"] if cell == c["worse"] else None
+        favour = f"{diff.positive}/{diff.n}" if diff is not None else "–"
+        lines.append(f"| `{cell}` | `{study}` | {c['metric']} | {_mean_sd(vals)} | {valid}/{len(vals)} | "
+                     f"{_fmt_diff(diff) if diff is not None else '–'} | {favour} |")  # fmt: skip
+    for item in r["controls"]:
+        ctl, diff = item["control"], item["diff"]
+        name = f"{ctl.label} (`{ctl.cell}`)" if ctl.label else f"`{ctl.cell}`"
+        valid = len(item["values"]) - len(item["failed"])
+        favour = f"{diff.positive}/{diff.n}" if diff is not None else "–"
+        lines.append(f"| {name} | `{ctl.study}` | {item['metric']} | {_mean_sd(item['values'])} | "
+                     f"{valid}/{len(item['values'])} | {_fmt_diff(diff)} | {favour} |")  # fmt: skip
+    return lines
 
 
 def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
@@ -182,6 +249,8 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")
+        if r.get("controls"):
+            lines += ["", *_controls_table(c, r)]
         if c.get("diagnosis"):
             lines += ["", c["diagnosis"].strip()]
         lines.append("")

@@ -102,6 +102,45 @@ def test_worse_study_pairs_across_studies_and_refuses_different_scenarios(tmp_pa
         evaluate_claim(claims.claims[0], base)
 
 
+def test_controls_are_shown_beside_the_pair_with_the_better_cells_paired_lead(tmp_path) -> None:
+    """A control cell from another study (same scenarios) gets its mean ± sd, valid seeds and `better` − control
+    paired over seeds with its t interval; a control on another metric (the probe row) gets its mean only."""
+    studies = {"head": {"new": [5, 6, 7, 6, 5], "old": [1, 2, 2, 1, 3]}, "ctl": {"head_only": [4, 4, 4, 4, 4]}}
+    for study, cells in studies.items():
+        rows = [{"cell": c, "per_seed": {str(s): {"faa": v} for s, v in enumerate(vals)}, "invalid": {}}
+                for c, vals in cells.items()]  # fmt: skip
+        if study == "ctl":
+            rows[0]["invalid"] = {"2": ["client_loss"]}
+            rows.append({"cell": "probe", "per_seed": {"0": {"probe_linear": 40.0}, "1": {"probe_linear": 42.0}},
+                         "invalid": {}, "upper_bound": "frozen_probe"})  # fmt: skip
+        (tmp_path / study).mkdir()
+        (tmp_path / study / "summary.json").write_text(json.dumps({"rows": rows}))
+        for c in cells:
+            for seed in range(5):
+                (tmp_path / study / c / f"seed{seed}").mkdir(parents=True)
+                (tmp_path / study / c / f"seed{seed}" / "scenario.json").write_text(json.dumps({"seed": seed}))
+    claim = {"id": "c", "paper": "P", "study": "head", "better": "new", "worse": "old",
+             "controls": [{"study": "ctl", "cell": "head_only", "label": "head only"},
+                          {"study": "ctl", "cell": "probe", "metric": "probe_linear"}]}  # fmt: skip
+    (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [claim]}))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    head_only, probe = result["controls"]
+    assert head_only["diff"].differences == [1, 2, 3, 2, 1] and head_only["diff"].mean == pytest.approx(1.8)
+    assert probe["diff"] is None and probe["values"] == {0: 40.0, 1: 42.0}
+    text = claims_markdown(claims, base, "claims.yaml")
+    d = head_only["diff"]
+    assert (
+        f"| head only (`head_only`) | `ctl` | faa | 4.00 ± 0.00 | 4/5 | +1.80 [{d.low:+.2f}, {d.high:+.2f}] | 5/5 |"
+        in text
+    )
+    assert "| `probe` | `ctl` | probe_linear | 41.00 ± 1.41 | 2/2 | – | – |" in text
+    assert "| `old` | `head` | faa | 1.80 ± 0.84 | 5/5 | +4.00 [" in text
+    (tmp_path / "ctl" / "head_only" / "seed1" / "scenario.json").write_text(json.dumps({"seed": 9}))
+    with pytest.raises(ConfigError, match="seed 1 of 'new' and 'head_only' ran different scenarios"):
+        evaluate_claim(claims.claims[0], base)
+
+
 @pytest.mark.slow
 def test_study_probe_row_and_claims_from_its_summary(tmp_path) -> None:
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_tasks": 2, "rounds_per_task": 1})))
