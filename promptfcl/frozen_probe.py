@@ -91,12 +91,16 @@ def probe_run(cfg: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
             "domain; drop probe: true from this family or scenario.domains from its base config"
         )
     tr_idx = np.unique(np.concatenate([np.asarray(i) for row in sc.client_train for i in row if len(i)]))
-    classes = sorted({int(c) for t in sc.label_space.tasks for c in t.classes})
+    # classes of the label space that no client holds a training image of (a Dirichlet split can leave a task's
+    # class empty on its only client) have nothing to fit: scored without them, and their count recorded
+    trained = {int(c) for c in np.unique(train.targets.numpy()[tr_idx])}
+    listed = {int(c) for t in sc.label_space.tasks for c in t.classes}
+    classes, untrained = sorted(listed & trained), sorted(listed - trained)
     te_idx = np.flatnonzero(np.isin(test.targets.numpy(), classes))
     backbone, tf = _backbone(cfg, rt.device)
     tr, te = train.subset(tr_idx), test.subset(te_idx)
     ftr, fte = (frozen_features(backbone, s, tf, cfg.eval.batch_size, rt.device) for s in (tr, te))
-    groups = [sorted({int(c) for c in t.classes}) for t in sc.label_space.tasks]
+    groups = [g for t in sc.label_space.tasks if (g := sorted({int(c) for c in t.classes} & trained))]
     res = probe(ftr, tr.targets, fte, te.targets, cfg.seed, task_groups=groups)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -115,7 +119,7 @@ def probe_run(cfg: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
             "probe_task_aware": res.task_aware,
             "probe_c": res.linear_c,
         },
-        "probe": res.as_dict(),
+        "probe": {**res.as_dict(), "classes_without_training_images": untrained},
         "accuracy_matrix": [],
         "accuracy_curve": [],
         "communication": {"bytes_up": 0, "bytes_down": 0, "rounds": 0, "mb_per_round": 0.0},

@@ -208,3 +208,26 @@ def test_a_run_started_under_another_config_than_its_cells_is_refused_or_moved_a
     assert [(r.cell, r.seed) for r in moved] == [("a", 0), ("a", 1)]
     assert not runs[0].run_dir.exists() and (out / "a" / "seed0.replaced-1" / "config.yaml").is_file()
     assert stale_runs(plan(study, study_dir, out)) == []
+
+
+def test_probe_row_leaves_out_label_space_classes_no_client_trains_on(tmp_path, monkeypatch) -> None:
+    """A Dirichlet split can leave a class of a client's task without a training image; the probe row cannot fit
+    such a class, so it is scored without it and the class is recorded (it used to stop the probe with an error)."""
+    import numpy as np
+
+    from promptfcl.frozen_probe import probe_run
+    from promptfcl.runtime import Runtime
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config()
+    rt = Runtime.build(cfg)
+    gone = int(rt.scenario.label_space.tasks[0].classes[0])
+    targets = rt.dataset.train.targets.numpy()
+    rt.scenario.client_train = [[np.asarray(i)[targets[np.asarray(i)] != gone] for i in row]
+                                for row in rt.scenario.client_train]  # fmt: skip
+    monkeypatch.setattr(Runtime, "build", classmethod(lambda cls, *a, **k: rt))
+    metrics = probe_run(cfg, tmp_path / "probe")
+    listed = {int(c) for t in rt.scenario.label_space.tasks for c in t.classes}
+    assert metrics["probe"]["classes_without_training_images"] == [gone]
+    assert metrics["probe"]["classes"] == len(listed) - 1
