@@ -175,9 +175,33 @@ def count_flops(fn: Callable[[], Any]) -> int:
     """FLOPs of one call of `fn` as torch's FlopCounterMode counts them (matmuls, convolutions, attention)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_cpu_attention_flops()) as counter:
         fn()
     return int(counter.get_total_flops())
+
+
+def _cpu_attention_flops() -> dict[Any, Callable[..., int]]:
+    """Flop formulas for the CPU flash-attention kernels that `scaled_dot_product_attention` dispatches to on CPU
+    and that some torch releases' FlopCounterMode leaves uncounted (same formulas as the CUDA kernels)."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    mapping: dict[Any, Callable[..., int]] = {}
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None and forward not in flop_counter.flop_registry:
+
+        def forward_flops(query, key, value, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+            return flop_counter.sdpa_flop_count(query, key, value)
+
+        mapping[forward] = forward_flops
+    if backward is not None and backward not in flop_counter.flop_registry:
+
+        def backward_flops(grad_out, query, key, value, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+            return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+        mapping[backward] = backward_flops
+    return mapping
 
 
 def device_name(device: torch.device) -> str:

@@ -27,7 +27,9 @@ FORBIDDEN = {
     "yaml.unsafe_load", "yaml.full_load", "yaml.unsafe_load_all", "jsonpickle.decode", "numpy.lib.format.read_array",
     "eval", "exec",
 }  # fmt: skip
-SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader"}
+# the project's own loaders count as safe only while they subclass PyYAML's SafeLoader (checked below)
+PROJECT_YAML_LOADERS = {"ConfigLoader": "promptfcl.config"}
+SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader", *PROJECT_YAML_LOADERS}
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -194,3 +196,15 @@ def test_every_method_exchanges_only_tensors_and_json_scalars(method: str, tmp_p
     assert all(sent == answered for sent, answered in seen)  # every client answered every message
     rounds = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert all(r["failures"] == [] for r in rounds), rounds  # every real reply passes the server's validation
+
+
+def test_project_yaml_loaders_subclass_the_safe_loader() -> None:
+    import importlib
+
+    import yaml
+
+    for name, module in PROJECT_YAML_LOADERS.items():
+        loader = getattr(importlib.import_module(module), name)
+        assert issubclass(loader, yaml.SafeLoader), f"{module}.{name} must subclass yaml.SafeLoader"
+        with pytest.raises(yaml.constructor.ConstructorError):
+            yaml.load("!!python/object/apply:os.system ['true']", Loader=loader)  # noqa: S506 - checking it refuses
