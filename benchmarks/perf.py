@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,6 +394,17 @@ def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ runs (server, RSS)
+# the scenario kind a method is defined on, where it is not the default class-incremental one
+KIND_SCENARIO = {"asynchronous": {"kind": "asynchronous", "classes_per_task": 4, "asynchronous": {"data_slices": 2}}}
+
+
+def scenario_for(method: str) -> dict[str, Any]:
+    kinds = METHODS.get(method).scenario_kinds
+    if kinds is None or "class_incremental" in kinds:
+        return {}
+    return KIND_SCENARIO.get(kinds[0], {"kind": kinds[0]})
+
+
 def tiny_run_config(
     method: str, s: Setting, clients: int, preset_server: bool, per_client: int = 8, rounds: int = 2
 ) -> dict[str, Any]:
@@ -416,6 +428,7 @@ def tiny_run_config(
             "num_clients": clients,
             "rounds_per_task": rounds,
             "partition": {"kind": "iid", "min_samples": 1},
+            **scenario_for(method),
         },
         "backbone": {"name": s.backbone, "img_size": s.img_size},
         "method": method_cfg,
@@ -430,18 +443,28 @@ def run_experiment(raw: dict[str, Any]) -> dict[str, Any]:
         return Experiment(build_config(raw), Path(d) / "run", show_progress=False).run()
 
 
-def server_steps(s: Setting, quick: bool) -> list[dict[str, Any]]:
+def server_steps(s: Setting, quick: bool, methods: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per-round server and client seconds of a tiny end-to-end run per method (SERVER_METHODS, or `methods`)."""
     rows = []
-    for label, method, extra in SERVER_METHODS:
+    todo = SERVER_METHODS if methods is None else [(m, m, {}) for m in methods]
+    for label, method, extra in todo:
         raw = tiny_run_config(method, s, 5, quick)
         raw["method"].update(extra)
-        m = run_experiment(raw)
+        try:
+            m = run_experiment(raw)
+        except Exception as e:  # noqa: BLE001 - a check across methods: one failure must not hide the others
+            traceback.print_exc()
+            rows.append({"method": label, "error": f"{type(e).__name__}: {e}"})
+            print(f"  server step {label:<14} FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
         rounds = m["communication"]["rounds"]
         row = {
             "method": label,
             "server_seconds_per_round": m["timing"]["server_seconds"] / rounds,
             "client_seconds_per_round": m["timing"]["client_seconds"] / rounds,
             "schedule": "CPU preset" if quick and method in PRESET_SERVER else "method defaults",
+            "faa": m.get("faa"),
+            "mb_per_round": m["communication"].get("mb_per_round"),
         }
         rows.append(row)
         print(f"  server step {label:<14} {row['server_seconds_per_round']:.3f} s/round", flush=True)
@@ -588,10 +611,15 @@ def tables(result: dict[str, Any]) -> str:
             out.append(line)
         out.append("")
     if "server_step" in result:
-        out += ["| method | server s / round | client s / round | server schedule |", "| --- | --- | --- | --- |"]
         out += [
-            f"| {r['method']} | {r['server_seconds_per_round']:.3f} | {r['client_seconds_per_round']:.3f} | "
-            f"{r['schedule']} |"
+            "| method | server s / round | client s / round | MB / round | server schedule |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| {r['method']} | failed: {r['error']} | | | |"
+            if "error" in r
+            else f"| {r['method']} | {r['server_seconds_per_round']:.3f} | {r['client_seconds_per_round']:.3f} | "
+            f"{r.get('mb_per_round') or 0:.2f} | {r['schedule']} |"
             for r in result["server_step"]
         ]
         out.append("")
@@ -631,6 +659,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when BF16_PEAK lacks it")
     ap.add_argument("--sections", default="client,server,rss,cache", help="comma-separated subset to run")
+    ap.add_argument("--server-methods", help="comma-separated methods for the server section (default: its rows)")
     ap.add_argument("--rss-methods", help="comma-separated methods for the peak-RSS section (default: every one)")
     ap.add_argument(
         "--malloc-mmap-threshold", type=int, help="RSS runs: fix glibc's mmap threshold (bytes; a diagnostic)"
@@ -662,7 +691,8 @@ def main() -> None:
     if "client" in sections:
         result["client_step"] = client_steps(s)
     if "server" in sections:
-        result["server_step"] = server_steps(s, args.quick)
+        methods = args.server_methods.split(",") if args.server_methods else None
+        result["server_step"] = server_steps(s, args.quick, methods)
     if "rss" in sections:
         result["rss_malloc_mmap_threshold"] = args.malloc_mmap_threshold
         result["peak_rss"] = peak_rss(

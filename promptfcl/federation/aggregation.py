@@ -99,7 +99,7 @@ def owner_row_mean(
     total = torch.zeros(previous.shape[0], dtype=torch.float64, device=previous.device)
     for wk, v, rows in zip(w, values, owned_rows, strict=True):
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=previous.device)
-        acc[idx] += wk * v[idx].double()
+        acc[idx] += wk * v.to(previous.device)[idx].double()
         total[idx] += wk
     out = previous.detach().clone()
     hit = total > 0
@@ -134,7 +134,7 @@ def class_affinity_weights(hist: torch.Tensor, temperature: float, norm: str = "
 def mix_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """W · P for stacked rows P (R, …): every output row a convex combination of the inputs (float64 sums)."""
     flat = rows.reshape(rows.shape[0], -1).double()
-    return (weights.double() @ flat).reshape(rows.shape).to(rows.dtype)
+    return (weights.to(flat.device, torch.float64) @ flat).reshape(rows.shape).to(rows.dtype)
 
 
 def _stacked(states: Sequence[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
@@ -238,8 +238,8 @@ def regularize_gram(gram: torch.Tensor, decay: float) -> torch.Tensor:
 
 def project_gram(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """A·G·Aᵀ for A (r, n) and a full (n, n) or diagonal (n,) Gram, in float64: the Gram of the inputs A·x."""
-    a = a.double()
     g = gram.double()
+    a = a.to(g.device, torch.float64)  # on the Gram's device (clients send Grams from the CPU)
     return (a * g) @ a.T if g.dim() == 1 else a @ g @ a.T
 
 
@@ -253,13 +253,15 @@ def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> t
     diagonal = grams[0].dim() == 1
     if any((g.dim() == 1) != diagonal for g in grams):
         raise ValueError("regmean: mix of diagonal and full Gram matrices")
-    total = torch.stack([g.double() for g in grams]).sum(0)
+    dev = grams[0].device  # solved where the Grams are; returned on W_0's device
+    total = torch.stack([g.to(dev, torch.float64) for g in grams]).sum(0)
+    ws = [w.to(dev, torch.float64) for w in weights]
     if diagonal:
-        num = torch.stack([w.double() * g.double() for w, g in zip(weights, grams, strict=True)]).sum(0)
+        num = torch.stack([w * g.to(dev, torch.float64) for w, g in zip(ws, grams, strict=True)]).sum(0)
         inv = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total))
-        return (num * inv).to(weights[0].dtype)
-    num = torch.stack([w.double() @ g.double() for w, g in zip(weights, grams, strict=True)]).sum(0)
-    return (num @ torch.linalg.pinv(total, hermitian=True)).to(weights[0].dtype)
+        return (num * inv).to(weights[0].device, weights[0].dtype)
+    num = torch.stack([w @ g.to(dev, torch.float64) for w, g in zip(ws, grams, strict=True)]).sum(0)
+    return (num @ torch.linalg.pinv(total, hermitian=True)).to(weights[0].device, weights[0].dtype)
 
 
 def prototype_reweight(
@@ -278,9 +280,9 @@ def prototype_reweight(
         raise ValueError("no prototypes to re-weight")
     p = prototypes.double()
     if features.shape[0] == 0:
-        w = torch.full((k,), 1.0 / k, dtype=torch.float64)
+        w = torch.full((k,), 1.0 / k, dtype=torch.float64, device=p.device)
     else:
-        score = 1.0 / torch.cdist(p, features.double()).sum(1).clamp_min(1e-12)
+        score = 1.0 / torch.cdist(p, features.to(p.device, torch.float64)).sum(1).clamp_min(1e-12)
         span = score.max() - score.min()
         norm = (score - score.min()) / span if span > 0 else torch.zeros_like(score)
         w = torch.softmax(norm / temperature, dim=0)

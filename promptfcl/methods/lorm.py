@@ -246,7 +246,7 @@ class LoRMServer(FedAvgServer):
         for s in self.adapter.sites:
             k = site_key(s)
             g = torch.stack([r.tensors[GRAM + k].double() for r in usable]).sum(0)
-            a = state[f"prompt.a.{k}"].double()
+            a = state[f"prompt.a.{k}"].to(g.device, torch.float64)  # solved where the Grams are (the CPU)
             task["a"][k], task["b"][k] = state[f"prompt.a.{k}"].clone(), state[f"prompt.b.{k}"].clone()
             task["ag"][k] = a * g if g.dim() == 1 else a @ g
             self.gram_sum[k] = g if k not in self.gram_sum else self.gram_sum[k] + g
@@ -259,14 +259,15 @@ class LoRMServer(FedAvgServer):
         out = {}
         for s in self.adapter.sites:
             k = site_key(s)
-            b = torch.cat([t["b"][k].double() for t in self.past], dim=1) * self.params.lora_scale
-            ag = torch.cat([t["ag"][k] for t in self.past], dim=0)
             g = self.gram_sum[k]
+            b = torch.cat([t["b"][k].to(g.device, torch.float64) for t in self.past], dim=1) * self.params.lora_scale
+            ag = torch.cat([t["ag"][k] for t in self.past], dim=0)
             if g.dim() == 1:
                 a = ag * torch.where(g > 0, 1.0 / g.clamp_min(1e-300), torch.zeros_like(g))
             else:
                 a = ag @ torch.linalg.pinv(g, hermitian=True)
-            out[s] = LoRADelta(a.float(), b.float())
+            dev = self.env.device
+            out[s] = LoRADelta(a.to(dev, torch.float32), b.to(dev, torch.float32))
         return out
 
     def global_model(self) -> nn.Module:

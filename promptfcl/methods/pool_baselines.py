@@ -47,7 +47,11 @@ class PoolTrainingParams(FedAvgParams):
     lr_schedule: Literal["constant", "cosine", "coda_cosine"] = "coda_cosine"
     grad_clip: float | None = None
     augment: Augment = "crop_flip"
-    query_cache: bool = Field(False, description="cache q(x) per exact input (use with augment: none or flip)")
+    query_cache: bool = Field(
+        False,
+        description="cache q(x) per exact input (use with augment: none or flip); a CPU speed-up: on a GPU, "
+        "hashing each image on the host costs more than the query forward",
+    )
 
 
 def pooled_model(env: MethodEnv, p: PoolTrainingParams, pool: PromptPool) -> PromptedClassifier:
