@@ -7,6 +7,6 @@ set -euo pipefail
 out=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1
 nvidia-smi -L || true
-python3 benchmarks/perf.py --sections server --server-methods lorm,pilora,powder,fedcprompt,c2prompt,hgp \
+python3 benchmarks/perf.py --sections server --server-methods all \
     --out "$out/perf_server_cuda.json" 2>&1 | tee "$out/perf_server_cuda.log"
 python3 benchmarks/perf.py --sections client,cache --out "$out/perf_cuda.json" 2>&1 | tee "$out/perf_cuda.log"

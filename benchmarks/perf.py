@@ -394,17 +394,6 @@ def bf16(bench: ClientBench, step: Callable, s: Setting) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ runs (server, RSS)
-# the scenario kind a method is defined on, where it is not the default class-incremental one
-KIND_SCENARIO = {"asynchronous": {"kind": "asynchronous", "classes_per_task": 4, "asynchronous": {"data_slices": 2}}}
-
-
-def scenario_for(method: str) -> dict[str, Any]:
-    kinds = METHODS.get(method).scenario_kinds
-    if kinds is None or "class_incremental" in kinds:
-        return {}
-    return KIND_SCENARIO.get(kinds[0], {"kind": kinds[0]})
-
-
 def tiny_run_config(
     method: str, s: Setting, clients: int, preset_server: bool, per_client: int = 8, rounds: int = 2
 ) -> dict[str, Any]:
@@ -428,7 +417,6 @@ def tiny_run_config(
             "num_clients": clients,
             "rounds_per_task": rounds,
             "partition": {"kind": "iid", "min_samples": 1},
-            **scenario_for(method),
         },
         "backbone": {"name": s.backbone, "img_size": s.img_size},
         "method": method_cfg,
@@ -448,7 +436,8 @@ def server_steps(s: Setting, quick: bool, methods: list[str] | None = None) -> l
     rows = []
     todo = SERVER_METHODS if methods is None else [(m, m, {}) for m in methods]
     for label, method, extra in todo:
-        raw = tiny_run_config(method, s, 5, quick)
+        # the default rows at the class-incremental setting; named methods each on their own scenario family
+        raw = tiny_run_config(method, s, 5, quick) if methods is None else rss_run_config(method, s, 5)
         raw["method"].update(extra)
         try:
             m = run_experiment(raw)
@@ -485,13 +474,16 @@ TINY_CLIP = {
 }
 
 
+ASYNC_METHODS = ("c2prompt", "codap_direct", "powder", "fedcprompt")  # run on Powder's asynchronous switching
+
+
 def rss_run_config(method: str, s: Setting, clients: int) -> dict[str, Any]:
     """One short run of `method` on its own scenario family with `clients` simulated clients, all taking part:
-    class-incremental (2 tasks), Powder's asynchronous switching (C2Prompt, Powder, the direct reference), FedMGP's
+    class-incremental (2 tasks), Powder's asynchronous switching (ASYNC_METHODS), FedMGP's
     personalized split, or one static long-tailed task on a tiny CLIP (CAPT and the CLIP baselines)."""
     raw = tiny_run_config(method, s, clients, True, per_client=4, rounds=1)
     sc = raw["scenario"]
-    if method in ("c2prompt", "codap_direct", "powder"):
+    if method in ASYNC_METHODS:
         slices = max(1, clients // 10)  # each client's task keeps ~8 images however many clients there are
         sc.update(kind="asynchronous", classes_per_task=2, asynchronous={"data_slices": slices})
     elif method == "fedmgp":
@@ -659,7 +651,9 @@ def main() -> None:
     ap.add_argument("--out", help="JSON output (default benchmarks/results/perf[_quick][_cuda].json)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, when BF16_PEAK lacks it")
     ap.add_argument("--sections", default="client,server,rss,cache", help="comma-separated subset to run")
-    ap.add_argument("--server-methods", help="comma-separated methods for the server section (default: its rows)")
+    ap.add_argument(
+        "--server-methods", help="comma-separated methods (or 'all') for the server section, each on its own scenario"
+    )
     ap.add_argument("--rss-methods", help="comma-separated methods for the peak-RSS section (default: every one)")
     ap.add_argument(
         "--malloc-mmap-threshold", type=int, help="RSS runs: fix glibc's mmap threshold (bytes; a diagnostic)"
@@ -692,6 +686,7 @@ def main() -> None:
         result["client_step"] = client_steps(s)
     if "server" in sections:
         methods = args.server_methods.split(",") if args.server_methods else None
+        methods = sorted(METHODS) if methods == ["all"] else methods
         result["server_step"] = server_steps(s, args.quick, methods)
     if "rss" in sections:
         result["rss_malloc_mmap_threshold"] = args.malloc_mmap_threshold

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from promptfcl.federation.aggregation import mix_rows, project_gram, prototype_reweight
+from promptfcl.federation.aggregation import classwise_mean, mix_rows, project_gram, prototype_reweight
 
 META = torch.device("meta")
 
@@ -27,3 +27,10 @@ def test_project_gram_runs_on_the_grams_device() -> None:
 def test_prototype_reweight_without_features_weighs_on_the_prototypes_device() -> None:
     g, w = prototype_reweight(torch.randn(3, 5, device=META), torch.empty(0, 5), 0.1)
     assert g.device == META and w.device == META and w.shape == (3,)
+
+
+def test_classwise_mean_takes_label_counts_and_kept_rows_from_the_cpu() -> None:
+    rows = [torch.ones(3, 2, device=META), torch.ones(3, 2, device=META)]
+    counts = [torch.tensor([1, 0, 2]), torch.tensor([0, 0, 1])]
+    out = classwise_mean(rows, counts, keep=torch.zeros(3, 2))
+    assert out.device == META and out.shape == (3, 2)

@@ -75,10 +75,11 @@ def classwise_mean(
     n = torch.stack([c.double() for c in counts])  # (K, C)
     if n.shape != x.shape[:2] or (n < 0).any():
         raise ValueError(f"counts must be non-negative with shape (clients, classes) = {tuple(x.shape[:2])}")
+    n = n.to(x.device)  # label counts come from the CPU, the rows may sit on a GPU
     total = n.sum(0)
     w = n.view(*n.shape, *([1] * (x.ndim - 2)))
     mean = (w * x).sum(0) / total.clamp_min(1e-300).view(-1, *([1] * (x.ndim - 2)))
-    fallback = keep.double() if keep is not None else x.mean(0)
+    fallback = keep.to(x.device, torch.float64) if keep is not None else x.mean(0)
     held = (total > 0).view(-1, *([1] * (x.ndim - 2)))
     return torch.where(held, mean, fallback).to(rows[0].dtype)
 
