@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command GPU check (device machine or any CUDA box with this repo's dependencies):
 # every method family's client step against the bare timm step (fp32 and bf16, fraction of the bf16 peak), the
-# query cache, and a tiny end-to-end run per adapter / peer method on ViT-B/16 at 224 px (server and client
+# query cache, and a tiny end-to-end run of every registered method on ViT-B/16 at 224 px (server and client
 # seconds per round, MB per round). Writes to ${OUT:-benchmarks/results}.
 set -euo pipefail
 out=${OUT:-benchmarks/results}
