@@ -452,7 +452,6 @@ def server_steps(s: Setting, quick: bool, methods: list[str] | None = None) -> l
             "server_seconds_per_round": m["timing"]["server_seconds"] / rounds,
             "client_seconds_per_round": m["timing"]["client_seconds"] / rounds,
             "schedule": "CPU preset" if quick and method in PRESET_SERVER else "method defaults",
-            "faa": m.get("faa"),
             "mb_per_round": m["communication"].get("mb_per_round"),
         }
         rows.append(row)

@@ -255,13 +255,14 @@ def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> t
     if any((g.dim() == 1) != diagonal for g in grams):
         raise ValueError("regmean: mix of diagonal and full Gram matrices")
     dev = grams[0].device  # solved where the Grams are; returned on W_0's device
-    total = torch.stack([g.to(dev, torch.float64) for g in grams]).sum(0)
+    gs = [g.to(dev, torch.float64) for g in grams]
     ws = [w.to(dev, torch.float64) for w in weights]
+    total = torch.stack(gs).sum(0)
     if diagonal:
-        num = torch.stack([w * g.to(dev, torch.float64) for w, g in zip(ws, grams, strict=True)]).sum(0)
+        num = torch.stack([w * g for w, g in zip(ws, gs, strict=True)]).sum(0)
         inv = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total))
         return (num * inv).to(weights[0].device, weights[0].dtype)
-    num = torch.stack([w @ g.to(dev, torch.float64) for w, g in zip(ws, grams, strict=True)]).sum(0)
+    num = torch.stack([w @ g for w, g in zip(ws, gs, strict=True)]).sum(0)
     return (num @ torch.linalg.pinv(total, hermitian=True)).to(weights[0].device, weights[0].dtype)
 
 
