@@ -50,8 +50,10 @@ def test_compare_writes_table_plots_html_and_provenance(tmp_path) -> None:
     assert main(["compare", str(tmp_path / "a0"), str(tmp_path / "a1"), str(tmp_path / "b0"), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| cell"))
-    for col in ("FAA (%)", "forgetting (%)", "BWT (%)", "tail_accuracy", "kr.local", "MB / round", "wall time (s)"):
-        assert col in header
+    for col in ("final avg acc (%)", "forgetting (pts)", "BWT (pts)", "tail_accuracy", "kr.local", "comm / round (MB)",
+                "wall time (s)", "valid seeds"):  # fmt: skip
+        assert f" {col} |" in header  # readable headers; keys without a label keep their name
+    assert len([line for line in md.splitlines() if line.startswith("| cell | method |")]) == 1  # one scenario
     faa = [x["summary"]["faa"] for x in metrics[:2]]
     row = next(line for line in md.splitlines() if line.startswith("| tiny_fedavg_prompt ⚠ INVALID |"))
     assert f" | {statistics.fmean(faa):.2f} ± {statistics.stdev(faa):.2f} |" in row  # seeds averaged
@@ -65,10 +67,13 @@ def test_compare_writes_table_plots_html_and_provenance(tmp_path) -> None:
     html = (out / "report.html").read_text()
     assert html.count('src="data:image/png;base64,') == len(images) and 'src="figures' not in html
     assert "<table>" in html and "tail_accuracy" in html
+    appendix = (out / "report_configs.md").read_text()  # the configs and environments, linked from the report
+    assert "[report_configs.md](report_configs.md)" in md and '<a href="report_configs.md">' in html
     commit = environment_info()["git"]["commit"]
     if commit:
-        assert commit[:12] in md and f'"commit": "{commit}"' in md  # every run's environment, verbatim
-    assert "name: tiny_fedvit" in md and "seed: 1" in md  # every run's exact config
+        assert commit[:12] in md and f'"commit": "{commit}"' in appendix  # every run's environment, verbatim
+    assert "name: tiny_fedvit" in appendix and "seed: 1" in appendix  # every run's exact config
+    assert "name: tiny_fedvit" not in md and "<pre>" not in html
     assert "RANDOM INIT" in md  # the tiny runs have no pretrained weights, and the report says so
 
 

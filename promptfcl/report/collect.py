@@ -7,6 +7,7 @@ Columns are FAA (HGP's FAA, HePCo's A_N), average forgetting and BWT, then every
 mid / tail) become `overall (%)` … columns, first, and replace forgetting and BWT when every run has them.
 Upper-bound runs (`scenario.upper_bound`, metrics.json `upper_bound`) keep their cell name and carry
 `upper_bound` in their row; tables show them as `<cell> [upper bound: centralized]` (`row_label`).
+These column names are what `summary.{csv,json}` hold; reports show readable headers (`report.labels`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,21 @@ TAIL_COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "MB / round": lambda m: m["communication"]["mb_per_round"],
     "wall time (s)": lambda m: m["timing"]["total_seconds"],
 }
+TAIL_KEYS = {"MB / round": "mb_per_round", "wall time (s)": "wall_time"}
+
+
+def column_key(column: str) -> str:
+    """The summary key behind a column of `aggregate` (`FAA (%)` → `faa`, `head (%)` → `class_groups.head`,
+    `MB / round` → `mb_per_round`); every other column is a summary key already. The column names themselves stay
+    as they are: `summary.{csv,json}` use them and other tools read those (`promptfcl.claims`)."""
+    fixed = {v: k for k, v in FIXED_SUMMARY.items()}
+    if column in fixed:
+        return fixed[column]
+    if column in TAIL_KEYS:
+        return TAIL_KEYS[column]
+    if column.endswith(" (%)"):
+        return f"{GROUPS}.{column.removesuffix(' (%)')}"
+    return column
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""The comparison report of several runs or a study: `report.md` plus a self-contained `report.html`.
+"""The comparison report of several runs or a study: `report.md`, a self-contained `report.html` and the appendix
+`report_configs.md` (every run's exact config and environment, linked from both).
 
-Contents: the comparison table (mean ± std over seeds of FAA/A_N, forgetting, BWT, any other numeric summary
-key the runs report, MB per round, wall time), each row's set-up (data, scenario, backbone: a random-init
-backbone is flagged), accuracy-after-each-task curves of every row in one plot, accuracy-matrix heatmaps, an
-accuracy-vs-communication scatter, the client × class heatmap of each distinct scenario, and the exact config
-and environment (package versions, git commit) of every run.
+The cells are split by scenario family (`report.families`: runs that saw the same data and scenario, seeds aside;
+a personalized cell never shares a table or a plot with a class-incremental one). Each family gets its own
+section: the comparison table (mean ± std over seeds of the columns its runs report, under readable headers with
+units from `report.labels`, their definitions under it), the validity table (each check's mean per cell), each
+row's set-up (data, scenario, backbone: a random-init backbone is flagged), accuracy-after-each-task curves,
+accuracy-matrix heatmaps, an accuracy-vs-communication scatter and the client × class heatmap of each distinct
+scenario. Cells without a finished run are listed at the end. `summary.{md,csv,json}` (`promptfcl.study`) keep
+one table with the raw column names.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +36,28 @@ from promptfcl.report.collect import (
     row_label,
     validity_label,
 )
-from promptfcl.report.document import Block, Code, Details, Heading, Image, Table, Text, to_html, to_markdown
+from promptfcl.report.document import (
+    Block,
+    Bullets,
+    Code,
+    Details,
+    Heading,
+    Image,
+    Table,
+    Text,
+    to_html,
+    to_markdown,
+)
+from promptfcl.report.families import Family, group_families
+from promptfcl.report.labels import LABELS, column_headers, column_notes
 from promptfcl.report.plots import plot_accuracy_matrices, plot_accuracy_vs_communication, plot_mean_accuracy_curves
 from promptfcl.report.results import scored_model_label
 
-COLUMN_NOTES = (
-    "FAA: average accuracy over all tasks after the last one (HGP's FAA, HePCo's A_N); forgetting: mean drop "
-    "from each old task's best accuracy (Chaudhry et al.); BWT: mean change of each old task's accuracy since it "
-    "was learned; MB / round: bytes up + down per round; wall time: one run, end to end (runs that shared the "
-    "CPU are slower). Other columns are the runs' own summary keys. Values are mean ± std over seeds."
+APPENDIX = "report_configs.md"  # every run's exact config and environment, next to report.md
+COMMITS_SHOWN = 4  # the report names the commits most runs ran at; the appendix has every run's
+TABLE_NOTE = (
+    "Values are mean ± std over seeds (the mean alone for one seed); `–`: no run of the cell reports the column; "
+    f"valid seeds: {LABELS['valid_seeds'].note}. Columns named by a raw key are the runs' own summary keys."
 )
 
 
@@ -156,27 +175,34 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
-def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list[Block]:
-    """Write the figures under `out/figures/` and return the report's blocks."""
-    fig_dir = out / "figures"
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    done = [g for g in groups if g.runs]
+def _sweep_value(sweep: dict[str, Any], key: str) -> str:
+    return json.dumps(sweep[key]) if key in sweep else "–"
+
+
+def _comparison_table(groups: list[Group], defined: set[str]) -> list[Block]:
+    """The family's table: only the columns its runs report, readable headers, and under it the definitions of
+    those not `defined` by an earlier table of the report (`defined` is updated; the value note comes once)."""
     rows, columns = aggregate(groups)
     sweep_keys = sorted({k for g in groups for k in g.sweep})
-    header = ["cell", "method", "seeds", "valid", *sweep_keys, *columns]
+    header = ["cell", "method", LABELS["seeds"].header, LABELS["valid_seeds"].header, *sweep_keys]
     table = [
         [row_label(r), r["method"], str(r["seeds"]), validity_label(r)]
-        + [json.dumps(r["sweep"].get(k, "")) for k in sweep_keys]
+        + [_sweep_value(r["sweep"], k) for k in sweep_keys]
         + [format_value(r["values"][c], r["seeds"]) for c in columns]
         for r in rows
     ]
-    blocks: list[Block] = [
-        Heading(title, 1),
-        Text(intro),
-        Heading("Comparison"),
-        Table(header, table),
-        Text(COLUMN_NOTES),
-    ]
+    notes = column_notes(columns, defined)
+    first = TABLE_NOTE not in defined
+    defined.add(TABLE_NOTE)
+    text = (f"**Columns.** {notes} " if notes else "") + (TABLE_NOTE if first else "")
+    return [Table(header + column_headers(columns), table), *([Text(text.strip())] if text.strip() else [])]
+
+
+def _family_blocks(family: Family, heading: str, fig_dir: Path, prefix: str, defined: set[str]) -> list[Block]:
+    """One family's section: table, notes, validity, set-up and figures (files named `<prefix>…png`); notes that
+    an earlier family's section gave (`defined`) are not repeated."""
+    done = family.groups
+    blocks: list[Block] = [Heading(heading), *_comparison_table(done, defined)]
     bounds = [g for g in done if g.upper_bound]
     if bounds:
         blocks.append(
@@ -190,7 +216,8 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
                 "weights were found, so these accuracies test the mechanics only, not the methods."
             )
         )
-    blocks += validity_blocks(done)
+    blocks += validity_blocks(done, note=VALIDITY_NOTE not in defined)
+    defined.add(VALIDITY_NOTE)
     blocks += [
         Heading("Set-up", 3),
         Table(
@@ -201,10 +228,53 @@ def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list
     scored = {g.name: scored_model_label(g.runs[0].metrics) for g in done}
     if len({v for v in scored.values() if v}) > 1:
         blocks.append(Text(SCORED_NOTE + "; ".join(f"`{n}`: {v}" for n, v in scored.items() if v) + "."))
-    if done:
-        blocks += [Heading("Figures")] + _figures(done, fig_dir)
-    blocks += [Heading("Runs: exact config and environment"), *_run_details(done, out)]
+    return blocks + [Heading("Figures", 3), *_figures(done, fig_dir, prefix)]
+
+
+def build_blocks(groups: list[Group], out: Path, title: str, intro: str) -> list[Block]:
+    """Write the figures under `out/figures/` and return the report's blocks: one section per scenario family."""
+    fig_dir = out / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    families = group_families(groups)
+    blocks: list[Block] = [Heading(title, 1), Text(intro)]
+    if len(families) > 1:
+        blocks += [
+            Text(
+                f"**{len(families)} scenario families**, each with its own table and figures (cells whose runs saw "
+                "the same data and scenario, seeds and rounds per task aside; numbers of different families are not "
+                "comparable):"
+            ),
+            Bullets([f"{f.label}: " + ", ".join(f"`{g.name}`" for g in f.groups) for f in families]),
+        ]
+    defined: set[str] = set()  # column definitions and notes already given by an earlier family's section
+    for k, family in enumerate(families, 1):
+        one = len(families) == 1
+        heading = f"Comparison: {family.label}" if one else f"{k}. {family.label}"
+        blocks += _family_blocks(family, heading, fig_dir, "" if one else f"family{k}_", defined)
+    pending = [g for g in groups if not g.runs]
+    if pending:
+        sweep_keys = sorted({k for g in pending for k in g.sweep})
+        blocks += [
+            Heading("Cells without a finished run"),
+            Table(
+                ["cell", *sweep_keys],
+                [[g.name, *(_sweep_value(g.sweep, k) for k in sweep_keys)] for g in pending],
+            ),
+        ]
+    blocks += [Heading("Runs: exact config and environment"), Text(_appendix_note(families))]
     return blocks
+
+
+def _appendix_note(families: list[Family]) -> str:
+    runs = [r for f in families for g in f.groups for r in g.runs]
+    commits = Counter(_commit(r) for r in runs).most_common()
+    listed = ", ".join(f"`{c}` ({n} run{'s' if n != 1 else ''})" for c, n in commits[:COMMITS_SHOWN])
+    if len(commits) > COMMITS_SHOWN:
+        listed += f" and {len(commits) - COMMITS_SHOWN} more (each run's in the appendix)"
+    return (
+        f"Every run's exact `config.yaml` and environment (package versions, git commit) is in [{APPENDIX}]({APPENDIX})"
+        f" next to this report. Git commits: {listed or 'none'}."
+    )
 
 
 VALIDITY_NOTE = (
@@ -216,8 +286,9 @@ VALIDITY_NOTE = (
 )
 
 
-def validity_blocks(groups: list[Group]) -> list[Block]:
-    """The evidence table: per cell, the mean over seeds of every validity check's value, failing seeds named."""
+def validity_blocks(groups: list[Group], note: bool = True) -> list[Block]:
+    """The evidence table: per cell, the mean over seeds of every validity check's value, failing seeds named;
+    `note`: explain the checks above it (once per report)."""
     names: list[str] = []
     for g in groups:
         for r in g.runs:
@@ -239,11 +310,13 @@ def validity_blocks(groups: list[Group]) -> list[Block]:
             cells.append(f"{sum(vals) / len(vals):.3g}" if vals else "–")
         failing = [f"seed {r.seed}: {', '.join(r.failed_checks)}" for r in g.runs if r.failed_checks]
         table.append([g.name, *cells, "; ".join(failing) or "all pass"])
-    return [Heading("Validity", 3), Text(VALIDITY_NOTE), Table(["cell", *names, "failing"], table)]
+    explained = [Text(VALIDITY_NOTE)] if note else [Text("Checks as explained in the first validity table.")]
+    return [Heading("Validity", 3), *explained, Table(["cell", *names, "failing"], table)]
 
 
-def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
-    """Curves, heatmaps and the scatter of the groups that have what each plot needs (ragged seeds skipped)."""
+def _figures(groups: list[Group], fig_dir: Path, prefix: str = "") -> list[Block]:
+    """Curves, heatmaps and the scatter of the groups that have what each plot needs (ragged seeds skipped), written
+    to `fig_dir/<prefix><plot>.png`."""
     blocks: list[Block] = []
     curves = {}
     for g in groups:
@@ -252,8 +325,8 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
             a = np.array(cs, dtype=float)
             curves[g.name] = (a.mean(0).tolist(), a.std(0, ddof=1).tolist() if len(a) > 1 else [0.0] * a.shape[1])
     if curves:
-        plot_mean_accuracy_curves(curves, fig_dir / "accuracy_curves.png")
-        blocks.append(Image(fig_dir / "accuracy_curves.png", "accuracy after each task"))
+        plot_mean_accuracy_curves(curves, fig_dir / f"{prefix}accuracy_curves.png")
+        blocks.append(Image(fig_dir / f"{prefix}accuracy_curves.png", "accuracy after each task"))
     matrices = {}
     for g in groups:
         mats = [r.metrics.get("accuracy_matrix") for r in g.runs]
@@ -261,8 +334,8 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
             T = len(mats[0])
             matrices[g.name] = [[float(np.mean([m[t][i] for m in mats])) for i in range(t + 1)] for t in range(T)]
     if matrices:
-        plot_accuracy_matrices(matrices, fig_dir / "accuracy_matrices.png")
-        blocks.append(Image(fig_dir / "accuracy_matrices.png", "accuracy matrices"))
+        plot_accuracy_matrices(matrices, fig_dir / f"{prefix}accuracy_matrices.png")
+        blocks.append(Image(fig_dir / f"{prefix}accuracy_matrices.png", "accuracy matrices"))
     single = [g.name for g in groups if g.name not in matrices]
     if single:
         blocks.append(Text("No curve or accuracy matrix for " + ", ".join(f"`{n}`" for n in single) + " (one task)."))
@@ -276,9 +349,9 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
             faa = mean_std([float(f) for f in faas])  # type: ignore[arg-type]
             points[g.name] = (mb[0], mb[1], faa[0], faa[1])
     if points:
-        plot_accuracy_vs_communication(points, fig_dir / "accuracy_vs_communication.png")
-        blocks.append(Image(fig_dir / "accuracy_vs_communication.png", "accuracy vs communication"))
-    blocks.append(Heading("Scenarios: training samples per client and class", 3))
+        plot_accuracy_vs_communication(points, fig_dir / f"{prefix}accuracy_vs_communication.png")
+        blocks.append(Image(fig_dir / f"{prefix}accuracy_vs_communication.png", "accuracy vs communication"))
+    blocks.append(Heading("Scenarios: training samples per client and class", 4))
     families: dict[str, list[Group]] = {}
     for g in groups:
         families.setdefault(_scenario_key(g.runs[0]), []).append(g)
@@ -287,7 +360,7 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
         src = first.run_dir / "scenario_heatmap.png"
         if not src.is_file():
             continue
-        dst = fig_dir / f"scenario_{k}.png"
+        dst = fig_dir / f"{prefix}scenario_{k}.png"
         shutil.copyfile(src, dst)
         names = ", ".join(f"`{g.name}`" for g in members)
         blocks += [
@@ -299,8 +372,9 @@ def _figures(groups: list[Group], fig_dir: Path) -> list[Block]:
         ]
         timeline = first.run_dir / "scenario_timeline.png"  # asynchronous scenarios: which task each client learns
         if timeline.is_file():
-            shutil.copyfile(timeline, fig_dir / f"scenario_{k}_timeline.png")
-            blocks.append(Image(fig_dir / f"scenario_{k}_timeline.png", f"client x stage task ids, scenario {k + 1}"))
+            dst = fig_dir / f"{prefix}scenario_{k}_timeline.png"
+            shutil.copyfile(timeline, dst)
+            blocks.append(Image(dst, f"client x stage task ids, scenario {k + 1}"))
     return blocks
 
 
@@ -322,13 +396,44 @@ def _run_details(groups: list[Group], out: Path) -> list[Block]:
     return blocks
 
 
+FIGURE = re.compile(
+    r"(family\d+_)?(accuracy_curves|accuracy_matrices|accuracy_vs_communication|scenario_\d+(_timeline)?)\.png"
+)
+
+
+def _remove_stale_figures(fig_dir: Path, blocks: list[Block]) -> None:
+    """Delete the report's own figure files that this version no longer shows (e.g. the one-table plots of a
+    report now split by family), so a regenerated report's folder holds only what it links."""
+    used = {Path(b.path).resolve() for b in blocks if isinstance(b, Image)}
+    for path in fig_dir.glob("*.png"):
+        if FIGURE.fullmatch(path.name) and path.resolve() not in used:
+            path.unlink()
+
+
+def write_appendix(groups: list[Group], out: Path, title: str) -> Path:
+    """Write `out/report_configs.md`: every finished run's exact config and environment, by scenario family."""
+    blocks: list[Block] = [
+        Heading(f"{title}: exact config and environment of every run", 1),
+        Text("Appendix of [report.md](report.md) (and report.html): each run's `config.yaml` and `environment.json`."),
+    ]
+    for family in group_families(groups):
+        blocks += [Heading(family.label), *_run_details(family.groups, out)]
+    atomic_write_text(out / APPENDIX, to_markdown(blocks, out))
+    return out / APPENDIX
+
+
 def write_report(groups: list[Group], out: Path, title: str, intro: str = "") -> Path:
-    """Write `out/report.md`, `out/report.html` and `out/figures/*.png`; returns the Markdown path."""
+    """Write `out/report.md`, `out/report.html`, the appendix `out/report_configs.md` and `out/figures/*.png`;
+    returns the Markdown path."""
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     n_runs = sum(len(g.runs) for g in groups)
-    intro = (intro + " " if intro else "") + f"{len(groups)} rows, {n_runs} finished runs; generated {stamp}."
+    n_families = len(group_families(groups))
+    families = f" in {n_families} scenario famil{'ies' if n_families != 1 else 'y'}" if n_families > 1 else ""
+    intro = (intro + " " if intro else "") + f"{len(groups)} rows, {n_runs} finished runs{families}; generated {stamp}."
     blocks = build_blocks(groups, out, title, intro)
+    write_appendix(groups, out, title)
     atomic_write_text(out / "report.md", to_markdown(blocks, out))
     atomic_write_text(out / "report.html", to_html(blocks, title))
+    _remove_stale_figures(out / "figures", blocks)
     return out / "report.md"

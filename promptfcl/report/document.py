@@ -1,5 +1,6 @@
 """A report as a list of blocks, rendered to Markdown (images as relative links) and to one self-contained
-HTML file (images embedded as base64 data URIs, no external assets), so both copies always say the same."""
+HTML file (images embedded as base64 data URIs, no external assets; links such as `[appendix](report_configs.md)`
+in a text stay links), so both copies always say the same."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 @dataclass
 class Heading:
-    """A section title (level 1-3)."""
+    """A section title (level 1-4)."""
 
     text: str
     level: int = 2
@@ -23,6 +24,13 @@ class Text:
     """A paragraph; `code` spans in backticks and **bold** are rendered in both formats."""
 
     text: str
+
+
+@dataclass
+class Bullets:
+    """A bulleted list of one-line items (inline `code`, **bold** and [links](target) rendered)."""
+
+    items: list[str]
 
 
 @dataclass
@@ -57,7 +65,7 @@ class Details:
     blocks: list[Block] = field(default_factory=list)
 
 
-Block = Heading | Text | Table | Image | Code | Details
+Block = Heading | Text | Bullets | Table | Image | Code | Details
 
 
 def _md_cell(text: str) -> str:
@@ -72,6 +80,8 @@ def to_markdown(blocks: list[Block], root: Path) -> str:
             out.append("#" * b.level + " " + b.text)
         elif isinstance(b, Text):
             out.append(b.text)
+        elif isinstance(b, Bullets):
+            out.append("\n".join(f"- {_md_cell(item)}" for item in b.items))
         elif isinstance(b, Table):
             lines = ["| " + " | ".join(map(_md_cell, b.header)) + " |", "|" + " --- |" * len(b.header)]
             lines += ["| " + " | ".join(map(_md_cell, r)) + " |" for r in b.rows]
@@ -90,6 +100,7 @@ def to_markdown(blocks: list[Block], root: Path) -> str:
 def _inline(text: str) -> str:
     t = html.escape(text)
     t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    t = re.sub(r"\[([^\]\[]+)\]\(([^()\s]+)\)", r'<a href="\2">\1</a>', t)  # [text](relative/link.md)
     return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
 
 
@@ -100,6 +111,8 @@ def _html_blocks(blocks: list[Block]) -> str:
             out.append(f"<h{b.level}>{_inline(b.text)}</h{b.level}>")
         elif isinstance(b, Text):
             out.append(f"<p>{_inline(b.text)}</p>")
+        elif isinstance(b, Bullets):
+            out.append("<ul>" + "".join(f"<li>{_inline(item)}</li>" for item in b.items) + "</ul>")
         elif isinstance(b, Table):
             head = "".join(f"<th>{_inline(h)}</th>" for h in b.header)
             body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in b.rows)
