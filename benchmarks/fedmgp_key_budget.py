@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from promptfcl.config import load_config
-from promptfcl.prompts.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
 from promptfcl.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,9 +30,9 @@ from promptfcl.backbones import build_vit
 from promptfcl.config import BackboneConfig
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.methods.hepco import prompt_output
+from promptfcl.methods.hepco.latent_generator import LatentGenerator, Teacher, sample_labels, train_generator
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts.weighted_pool import WeightedPool
-from promptfcl.training.latent_generator import LatentGenerator, Teacher, sample_labels, train_generator
 
 CLASSES, PER_CLASS = 10, 50
 

@@ -30,10 +30,10 @@ from promptfcl.adapters.lora import FixedDeltas, lora_spec, site_key, site_weigh
 from promptfcl.backbones.prompt_spec import LoRADelta
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.evaluation.evaluator import Evaluator
-from promptfcl.federation.aggregation import regmean, regularize_gram
+from promptfcl.methods.lorm.gram import input_grams
+from promptfcl.methods.lorm.regmean import regmean, regularize_gram
 from promptfcl.model import PromptedClassifier
 from promptfcl.runtime import Runtime
-from promptfcl.statistics.gram import input_grams
 
 
 def diagnose(run: Path, gammas: list[float]) -> dict:

@@ -227,7 +227,7 @@ class ClientBench:
         self.params = spec.params.model_validate(base)
         env = MethodEnv(self.backbone, space, self.tf, s.device, seed=0)
         self.server, self.client = spec.programs(env, self.params)
-        self.server.begin_task(0)
+        self.server.begin_stage(0)
         self.msg = self.server.downlink(RoundInfo(0, 0, (0,)))
         self.data = LabeledSubset.of(ds.train, torch.arange(len(ds.train)), space.class_to_logit)
         self.x = self.tf(ds.train.images.to(s.device))

@@ -45,7 +45,7 @@ def one_budget(cfg_dict: dict, epochs: int, rounds: int) -> list[dict]:
         replies[cid] = {k: v.detach().double().clone() for k, v in reply.tensors.items()}
 
     grid = InProcessGrid(client, rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device, on_reply=keep)
-    server.begin_task(0)
+    server.begin_stage(0)
     p = rt.params
     rows = []
     for rnd in range(rounds):

@@ -1,36 +1,51 @@
 """Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
 `promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
-`promptfcl probe CONFIG`, `promptfcl claims CLAIMS.yaml`, `promptfcl list`."""
+`promptfcl probe CONFIG`, `promptfcl claims CLAIMS.yaml`, `promptfcl list`, `promptfcl show METHOD`."""
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
+import types
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from rich.console import Console
+from rich.markup import escape
 
-from promptfcl.config import ConfigError, load_config
+from promptfcl.config import ConfigError, EngineKind, ExperimentConfig, load_config
+
+if TYPE_CHECKING:
+    from promptfcl.federation.protocol import MethodSpec
 
 console = Console()
 err_console = Console(stderr=True)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from promptfcl.checkpoint import CheckpointError, has_checkpoint
-    from promptfcl.experiment import Experiment
+    """`promptfcl run`: a new run from a config (its `engine.kind`, or `--engine`), or `--resume RUN_DIR` on the
+    engine the run recorded in its `config.yaml`."""
+    from promptfcl.checkpoint import has_checkpoint
 
     if args.resume:
-        exp = Experiment.from_run_dir(Path(args.resume), show_progress=not args.quiet, console=console)
-        try:
-            metrics = exp.run(resume=True)
-        except CheckpointError as e:
-            raise ConfigError(str(e)) from None
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
+        cfg = load_config(run_dir / "config.yaml")
+        if args.engine is not None and args.engine != cfg.engine.kind:
+            raise ConfigError(
+                f"{run_dir} ran on engine.kind: {cfg.engine.kind} (its config.yaml), and --resume continues it there; "
+                f"drop --engine {args.engine}, or edit engine.kind in {run_dir / 'config.yaml'} to switch engines"
+            )
     else:
         if args.config is None:
             raise ConfigError("give a config file (promptfcl run configs/quickstart.yaml) or --resume RUN_DIR")
-        cfg = load_config(args.config, args.set)
+        engine = [f"engine.kind={args.engine}"] if args.engine is not None else []  # the flag overrides the config
+        cfg = load_config(args.config, [*args.set, *engine])
         if args.probe:
             from promptfcl.frozen_probe import probe_run
 
@@ -46,22 +61,38 @@ def _run(args: argparse.Namespace) -> int:
         )
         if has_checkpoint(run_dir):
             raise ConfigError(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
-        if args.engine == "flower-sim":
-            import json
-
-            from promptfcl.experiment import print_summary
-            from promptfcl.flower.simulation import run_flower_simulation
-
-            run_flower_simulation(cfg, run_dir)
-            print_summary(console, json.loads((run_dir / "metrics.json").read_text()), run_dir)
-            return 0
-        exp = Experiment(cfg, run_dir, show_progress=not args.quiet, console=console)
-        try:
-            metrics = exp.run()
-        except CheckpointError as e:
-            raise ConfigError(str(e)) from None
-    exp.print_summary(metrics)
+    if cfg.engine.kind == "flower-sim":
+        _launch_flower_sim(cfg, run_dir, resume=bool(args.resume))
+    else:
+        _launch_inprocess(cfg, run_dir, resume=bool(args.resume), quiet=args.quiet)
     return 0
+
+
+def _launch_inprocess(cfg: ExperimentConfig, run_dir: Path, resume: bool, quiet: bool) -> None:
+    """`engine.kind: inprocess`: the run loop and its clients in this process."""
+    from promptfcl.checkpoint import CheckpointError
+    from promptfcl.experiment import Experiment
+
+    exp = Experiment(cfg, run_dir, show_progress=not quiet, console=console)
+    try:
+        metrics = exp.run(resume=resume)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    exp.print_summary(metrics)
+
+
+def _launch_flower_sim(cfg: ExperimentConfig, run_dir: Path, resume: bool) -> None:
+    """`engine.kind: flower-sim`: the run on Flower's simulation runtime (`promptfcl.flower.simulation`)."""
+    import json
+
+    from promptfcl.runtime import check_config
+
+    check_config(cfg)  # here, before Flower starts: flwr installed, data present, parameters valid
+    from promptfcl.experiment import print_summary
+    from promptfcl.flower.simulation import run_flower_simulation
+
+    run_flower_simulation(cfg, run_dir, resume=resume)
+    print_summary(console, json.loads((run_dir / "metrics.json").read_text()), run_dir)
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -218,15 +249,23 @@ def _claims(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kinds(spec: MethodSpec) -> str:
+    """The scenario kinds a method accepts, as `promptfcl list` / `show` print them ("any": every kind)."""
+    return "any" if spec.scenario_kinds is None else ", ".join(spec.scenario_kinds)
+
+
 def _list(args: argparse.Namespace) -> int:
     import timm
 
     from promptfcl.data import DATASETS
     from promptfcl.methods import METHODS
 
-    console.print("[bold]methods[/bold]")
+    one_line = not console.is_terminal  # piped: a method per line
+    console.print("[bold]methods[/bold] (promptfcl show METHOD: its hyper-parameters)")
+    console.print(f"[dim]  {'name':<20} {'scenario kinds':<31} summary[/dim]")
     for name, spec in METHODS.items():
-        console.print(f"  {name:<16} {spec.summary}" + (f"  [dim]({spec.paper})[/dim]" if spec.paper else ""))
+        paper = f"  [dim]({escape(spec.paper)})[/dim]" if spec.paper else ""
+        console.print(f"  {name:<20} {_kinds(spec):<31} {escape(spec.summary)}{paper}", soft_wrap=one_line)
     console.print("[bold]datasets[/bold]")
     for name, spec in DATASETS.items():
         where = "generated, no files" if not spec.needs_root else f"folder {spec.folder}/"
@@ -234,6 +273,143 @@ def _list(args: argparse.Namespace) -> int:
     console.print("[bold]backbones[/bold] (any timm ViT; e.g.)")
     for name in ["vit_tiny_hybrid_lite0", *timm.list_models("vit_*patch16_224*")[:12]]:
         console.print(f"  {name}")
+    return 0
+
+
+_REQUIRED = object()  # a parameter without a default
+
+
+def type_label(tp: Any) -> str:
+    """A parameter's type as a config writer reads it: `float`, `list[int]`, `a | b | c` for a Literal, `| None`
+    for an optional value."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "Any"
+    if tp is Ellipsis:
+        return "..."
+    if origin is Literal:
+        return " | ".join(default_label(a) for a in args)
+    if origin is Annotated:
+        return type_label(args[0])
+    if origin in (Union, types.UnionType):
+        parts = [type_label(a) for a in args if a is not type(None)]
+        return " | ".join(parts + ["None"] * (type(None) in args))
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join(type_label(a) for a in args)}]" if args else name
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def default_label(value: Any) -> str:
+    """A default as it would be written in a YAML config (`null`, `true`, `0.003`, `[0, 1]`)."""
+    import json
+
+    from pydantic import TypeAdapter
+
+    if value is _REQUIRED:
+        return "required"
+    if isinstance(value, str):
+        return value if value else '""'
+    plain = TypeAdapter(Any).dump_python(value, mode="json")
+    return repr(plain) if isinstance(plain, float) else json.dumps(plain)
+
+
+def _bounds(field: FieldInfo) -> str:
+    """`(> 0, <= 1)` from a field's numeric constraints; "" when it has none."""
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    out = [f"{sym} {getattr(m, op)}" for m in field.metadata for op, sym in ops.items() if hasattr(m, op)]
+    return f" ({', '.join(out)})" if out else ""
+
+
+def _section_model(tp: Any) -> type[BaseModel] | None:
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def param_rows(
+    model: type[BaseModel], prefix: str = "method.", values: BaseModel | None = None
+) -> list[tuple[str, str, str, str]]:
+    """(config key, type, default, description) for every field of a parameter model, nested models flattened
+    with dots (`method.aggregation.rule`); a nested section with a description gets a row of its own. `values`:
+    the section's default instance, whose values win over the nested model's own defaults."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        if values is not None:
+            value = getattr(values, name)
+        elif field.is_required():
+            value = _REQUIRED
+        else:
+            value = field.get_default(call_default_factory=True, validated_data={})
+        section = _section_model(field.annotation)
+        if section is not None:
+            if field.description:
+                rows.append((key, "section", "", field.description))
+            rows += param_rows(section, key + ".", value if isinstance(value, BaseModel) else None)
+            continue
+        rows.append((key, type_label(field.annotation) + _bounds(field), default_label(value), field.description or ""))
+    return rows
+
+
+def method_sources(spec: MethodSpec) -> dict[str, list[str]]:
+    """file → what of the method it defines (registration — its folder, whose docstring lists the paper-vs-code
+    switches — then parameters, server program, client program); paths relative to the checkout when inside it."""
+    import importlib
+
+    import promptfcl
+
+    root = Path(promptfcl.__file__).resolve().parents[1]
+    out: dict[str, list[str]] = {}
+    roles = [("method", spec.module), *((r, o.__module__) for r, o in (
+        ("parameters", spec.params), ("server program", spec.server), ("client program", spec.client)))]  # fmt: skip
+    for role, module in roles:
+        if not module:
+            continue
+        file = Path(importlib.import_module(module).__file__ or module).resolve()
+        out.setdefault(str(file.relative_to(root)) if file.is_relative_to(root) else str(file), []).append(role)
+    return out
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from promptfcl.methods import METHODS
+
+    if args.method not in METHODS:
+        raise ConfigError(f"{METHODS.unknown_message(args.method)} (promptfcl list shows them with their summaries)")
+    spec = METHODS.get(args.method)
+    sources = method_sources(spec)
+    source = next(iter(sources))  # the method's own module: the paper, its defaults and the switches
+    tty = console.is_terminal  # not a terminal (a pipe, a file): nothing wrapped, one line per parameter
+    for label, text in (
+        ("method", f"{spec.name}: {spec.summary}"),
+        ("paper", spec.paper or "(none given)"),
+        ("scenario kinds", _kinds(spec)),
+        ("source", "; ".join(f"{file} ({', '.join(roles)})" for file, roles in sources.items())),
+    ):
+        console.print(Text.assemble((f"{label}: ", "bold"), text), soft_wrap=not tty)
+    console.print(
+        f"Defaults are the paper's hyper-parameters; the module docstring of {source} lists each paper-vs-code "
+        "switch (and every deviation). Set a parameter in the config's method section or with --set "
+        "method.<key>=VALUE.",
+        highlight=False,
+        markup=False,
+        soft_wrap=not tty,
+    )
+    table = Table(box=box.SIMPLE_HEAD if tty else None, show_edge=tty, pad_edge=tty)
+    for column, widest in (("key", None), ("type", 28), ("default", 20), ("description", None)):
+        table.add_column(column, no_wrap=column == "key" or not tty, max_width=widest if tty else None)
+    for row in param_rows(spec.params):
+        table.add_row(*(Text(cell) for cell in row))
+    if tty:
+        console.print(table)
+    else:  # rendered at any width, trailing padding dropped
+        buf = io.StringIO()
+        Console(file=buf, width=100_000, color_system=None, highlight=False).print(table)
+        console.out("\n".join(line.rstrip() for line in buf.getvalue().splitlines()), highlight=False)
     return 0
 
 
@@ -257,9 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--engine",
-        choices=["inprocess", "flower-sim"],
-        default="inprocess",
-        help="inprocess (default) or Flower's simulation runtime (needs promptfcl[flower])",
+        choices=get_args(EngineKind),
+        default=None,
+        help="override the config's engine.kind: inprocess (the default) or flower-sim, Flower's simulation "
+        "runtime (needs promptfcl[flower]); the run's config.yaml records it and --resume uses it",
     )
     run.set_defaults(func=_run)
     st = sub.add_parser("study", help="run every cell x seed of a study file and write the comparison table")
@@ -318,8 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("claims", help="claims YAML (studies, cells, metric per claim)")
     cl.add_argument("--out", default="docs/claims.md", help="Markdown output (default docs/claims.md)")
     cl.set_defaults(func=_claims)
-    ls = sub.add_parser("list", help="list methods, datasets and backbones")
+    ls = sub.add_parser("list", help="list methods (with the scenario kinds each accepts), datasets and backbones")
     ls.set_defaults(func=_list)
+    sh = sub.add_parser(
+        "show", help="a method's summary, paper, scenario kinds, source file and every hyper-parameter with its default"
+    )
+    sh.add_argument("method", help="a registered method name (promptfcl list)")
+    sh.set_defaults(func=_show)
     return p
 
 
@@ -330,13 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)  # [flower] is text
         return 2
     except RunStopped as e:
-        err_console.print(f"[bold red]run stopped:[/bold red] {e}", highlight=False)
+        err_console.print(f"[bold red]run stopped:[/bold red] {escape(str(e))}", highlight=False)
         return 3
     except RunInterrupted as e:
-        err_console.print(str(e), highlight=False)
+        err_console.print(str(e), highlight=False, markup=False)
         return e.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted; the last completed round is checkpointed — continue with --resume RUN_DIR")

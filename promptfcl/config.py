@@ -20,6 +20,32 @@ class ConfigError(ValueError):
     """A configuration problem the user can fix; the message lists every problem found."""
 
 
+_ENV_VARIABLE = re.compile(r"\$(\w+|\{([^}]*)\})", re.ASCII)  # what os.path.expandvars expands
+
+
+def unset_variables(text: str | None) -> list[str]:
+    """The environment variables `text` still names (`$NAME` / `${NAME}`) that are not set: `os.path.expandvars`,
+    which config paths go through when they are validated, leaves those in place."""
+    names = [m.group(2) if m.group(2) is not None else m.group(1) for m in _ENV_VARIABLE.finditer(text or "")]
+    return [n for n in dict.fromkeys(names) if n and n not in os.environ]
+
+
+def require_variables(key: str, value: str | None) -> None:
+    """Raise a `ConfigError` naming every unset environment variable in the path `value` of config key `key`.
+
+    Checked when a config is about to be used (`promptfcl.runtime.check_config`), not when it is loaded, so a
+    config can be read, compared and dumped on a machine without its assets."""
+    missing = unset_variables(value)
+    if missing:
+        raise ConfigError(
+            "\n".join(
+                f"environment variable {n} is not set ({key}: {value}); export "
+                f"{n}=/path/to/{n.removeprefix('PROMPTFCL_').lower() or 'folder'}"
+                for n in missing
+            )
+        )
+
+
 class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, values are re-validated on assignment."""
 
@@ -220,14 +246,27 @@ class DomainsConfig(StrictModel):
         return self
 
 
+# the scenario sections that mean something under one `scenario.kind` only (`scenario.domains`, None by default,
+# has its own check, `ScenarioConfig._domains_fit`)
+KIND_SECTIONS = {"long_tail": "long_tailed", "personalized": "personalized", "asynchronous": "asynchronous"}
+
+
+def non_default_keys(section: BaseModel) -> list[str]:
+    """`key=value` for every field of a config section that differs from the section's defaults."""
+    now, default = section.model_dump(mode="json"), type(section)().model_dump(mode="json")
+    return [f"{k}={now[k]}" for k in now if now[k] != default.get(k)]
+
+
 class ScenarioConfig(StrictModel):
     """A federated scenario: class-incremental tasks, one static long-tailed task (`kind: long_tailed`),
     Powder/C2Prompt's per-client task sequences with asynchronous switching (`kind: asynchronous`, see
     `AsynchronousConfig`; `num_tasks` is both the number of stages and each client's sequence length,
     `classes_per_task` one int, the partition is not used), or FedMGP's per-client task sequences with local test
     splits (`kind: personalized`, see `PersonalizedConfig`). Builders are dispatched in
-    `promptfcl.scenario.scenario.build_scenario`. `domains` (asynchronous only) gives every client a fixed image
-    transform of its own (`DomainsConfig`)."""
+    `promptfcl.scenario.build.build_scenario`. `domains` (asynchronous only) gives every client a fixed image
+    transform of its own (`DomainsConfig`). `long_tail`, `asynchronous`, `personalized` and `domains` belong to
+    their kind: set away from their defaults under another kind they are refused (left at their defaults, as every
+    run's dumped `config.yaml` writes them, they are accepted)."""
 
     kind: Literal["class_incremental", "long_tailed", "asynchronous", "personalized"] = "class_incremental"
     num_tasks: int = Field(10, gt=0)
@@ -239,9 +278,9 @@ class ScenarioConfig(StrictModel):
     rounds_per_task: int = Field(5, gt=0)
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     participation: ParticipationConfig = Field(default_factory=ParticipationConfig)
-    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig)
+    asynchronous: AsynchronousConfig = Field(default_factory=AsynchronousConfig, description="kind: asynchronous")
     personalized: PersonalizedConfig = Field(default_factory=PersonalizedConfig, description="kind: personalized")
-    long_tail: LongTailConfig = Field(default_factory=LongTailConfig)
+    long_tail: LongTailConfig = Field(default_factory=LongTailConfig, description="kind: long_tailed")
     domains: DomainsConfig | None = Field(
         None, description="per-client image domains (asynchronous scenarios): each client's images are transformed"
     )
@@ -250,6 +289,20 @@ class ScenarioConfig(StrictModel):
         description="an upper-bound row instead of the federation (promptfcl.scenario.upper_bound): centralized = "
         "one learner holding every client's data, task by task; joint = one learner, one task of all classes",
     )
+
+    @model_validator(mode="after")
+    def _sections_fit_kind(self) -> ScenarioConfig:
+        """A kind-specific section (`KIND_SECTIONS`) set away from its defaults under another kind would be
+        silently ignored: refuse it. Left at its defaults (as every dumped `config.yaml` writes it) it is fine."""
+        for section, kind in KIND_SECTIONS.items():
+            changed = non_default_keys(getattr(self, section))
+            if self.kind != kind and changed:
+                also = " (and num_tasks: 1)" if kind == "long_tailed" else ""
+                raise ValueError(
+                    f"scenario.{section} applies to scenario.kind: {kind}, not {self.kind}; set scenario.kind: "
+                    f"{kind}{also} or drop scenario.{section} (it sets {', '.join(changed)})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _upper_bound_is_defined(self) -> ScenarioConfig:
@@ -283,11 +336,6 @@ class ScenarioConfig(StrictModel):
     def _long_tail_is_static(self) -> ScenarioConfig:
         if self.kind == "long_tailed" and self.num_tasks != 1:
             raise ValueError("a long_tailed scenario is one static task: set scenario.num_tasks: 1")
-        if self.long_tail.profile == "dataset" and self.kind != "long_tailed":
-            raise ValueError(
-                f"scenario.long_tail.profile: dataset applies to scenario.kind: long_tailed, not {self.kind}; set "
-                "scenario.kind: long_tailed (and num_tasks: 1) or drop scenario.long_tail.profile"
-            )
         if self.long_tail.mid_share <= self.long_tail.head_share:
             raise ValueError("scenario.long_tail.mid_share must exceed head_share")
         return self
@@ -365,10 +413,20 @@ class FaultSpec(StrictModel):
         return v
 
 
-class EngineConfig(StrictModel):
-    """Where and how clients run, and what a round tolerates (see ARCHITECTURE.md, Reliability)."""
+EngineKind = Literal["inprocess", "flower-sim"]
 
-    kind: Literal["inprocess"] = "inprocess"
+
+class EngineConfig(StrictModel):
+    """Where and how clients run, and what a round tolerates (see ARCHITECTURE.md, Reliability).
+
+    `kind` is the engine `promptfcl run` uses (`--engine` overrides it); the run's `config.yaml` records it, so
+    `promptfcl run --resume RUN_DIR` and study cells run on the engine their config names."""
+
+    kind: EngineKind = Field(
+        "inprocess",
+        description="inprocess: the clients run in this process; flower-sim: Flower's simulation runtime, one "
+        "virtual SuperNode per client (needs pip install 'promptfcl[flower]')",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, gt=0, description="torch CPU threads; default: torch's choice")
     min_clients: int = Field(

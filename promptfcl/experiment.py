@@ -19,7 +19,7 @@ from promptfcl.checkpoint import Checkpoint, has_checkpoint, load_checkpoint, sa
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.regimes import build_regime
-from promptfcl.evaluation.validity import gate
+from promptfcl.evaluation.validity import RunEvidence, gate
 from promptfcl.federation.faults import FaultPlan
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
@@ -139,7 +139,7 @@ class Experiment:
             self.progress.skip(start_task * R + start_round)
             for task in range(start_task, T):
                 first = start_round if task == start_task else 0
-                self.server.begin_task(task)  # also when resuming inside the task: begin_task is idempotent
+                self.server.begin_stage(task)  # also when resuming inside the task: begin_task is idempotent
                 for rnd in range(first, R):
                     self._run_round(task, rnd)
                     if (task, rnd) != (T - 1, R - 1):  # a SIGINT/SIGTERM during the round: stop here, checkpointed
@@ -159,7 +159,7 @@ class Experiment:
         t0 = time.perf_counter()
         round_metrics = self._attempt_round(info)
         if last:
-            self.server.end_task(task)
+            self.server.end_stage(task)
         round_seconds = time.perf_counter() - t0
         for f in self.grid.failures:
             if not f.injected:  # real failures are worth a line even with the progress display off
@@ -218,7 +218,7 @@ class Experiment:
         (self.run_dir / "stopped.json").write_text(
             json.dumps(
                 {
-                    "task": e.info.task,
+                    "task": e.info.stage,
                     "round": e.info.round,
                     "attempts": attempts,
                     "failures": [f.__dict__ for f in self.grid.failures],
@@ -259,9 +259,10 @@ class Experiment:
         if self.scenario.upper_bound is not None:  # reports label the row as an upper bound, not a method
             metrics["upper_bound"] = self.scenario.upper_bound
         metrics["prompt_effect"] = self.state.get("prompt_effect")
-        metrics["validity"] = gate(
+        evidence = RunEvidence(
             self.cfg.model_dump(mode="json"), rounds, self.regime.learned_tasks(self.state), metrics["prompt_effect"]
         )
+        metrics["validity"] = gate(evidence, self.spec.signals)
         write_final(self.run_dir, self.cfg.run_name(), metrics)
         if self.tracker is not None:
             self.tracker.log_final(self.scenario.num_tasks * self.scenario.rounds_per_task - 1, metrics)

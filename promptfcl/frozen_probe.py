@@ -1,10 +1,18 @@
-"""The frozen-feature probe of a configured backbone: `promptfcl probe CONFIG` and a study's probe row.
+"""The frozen-feature probe: what a frozen backbone's features are worth on their own, and the probe row of a study.
 
-- `probe_backbone(cfg, …)`: the CPU-scale assets' protocol on the configured dataset — the first N training images
-  of each class (default 100), the whole test split — nearest class mean and linear probe over every class and over
-  the first K class ids (default 20), so any backbone can be judged against `../shared/assets/models/README.md`.
-- `probe_run(cfg, run_dir)`: the reference row of a study family (a cell with `probe: true`): the same probe on
-  exactly the training images and classes the family's scenario uses (every client's data pooled), tested on
+Protocol (the CPU-scale assets', `../shared/assets/models/README.md`): features are the frozen backbone's
+final-norm CLS token without prompts on eval-transformed images; the nearest class mean classifies a test feature by
+the closest class mean (Euclidean) of the training features; the linear probe is an L2-regularised multinomial
+logistic regression on standardised features (mean and std of the training features), its strength C chosen on a
+held-out fifth of the training images (seeded, stratified) from `C_GRID` and then refitted on all of them. The
+objective is scikit-learn's: C · Σ_i CE_i + ½‖W‖² (bias not penalised), solved with L-BFGS in float64.
+
+Two entry points share it:
+- `probe_backbone(cfg, …)` (`promptfcl probe CONFIG`): the assets' protocol on the configured dataset — the first N
+  training images of each class (default 100), the whole test split — nearest class mean and linear probe over
+  every class and over the first K class ids (default 20), so any backbone can be judged against the assets README.
+- `probe_run(cfg, run_dir)` (a study cell with `probe: true`): the reference row of a study family — the same probe
+  on exactly the training images and classes the family's scenario uses (every client's data pooled), tested on
   those classes' test images, task-agnostic (all classes compete) and task-aware (each task's classes compete);
   written as a run directory whose `metrics.json` marks it `upper_bound: frozen_probe`, so summaries and reports
   show it beside the federated rows.
@@ -14,19 +22,21 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from promptfcl.checkpoint import atomic_write_text
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config
 from promptfcl.data import resolve_root
+from promptfcl.data.base import ImageSplit
 from promptfcl.data.cache import materialize
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.environment import environment_info
-from promptfcl.evaluation.probe import first_per_class, frozen_features, probe
 from promptfcl.report.results import clean_json
 from promptfcl.runtime import (
     Runtime,
@@ -36,6 +46,137 @@ from promptfcl.runtime import (
     resolve_device,
     shared_backbone,
 )
+
+C_GRID = (0.001, 0.01, 0.1, 1.0, 10.0)
+
+
+@torch.no_grad()
+def frozen_features(
+    backbone: torch.nn.Module, split: ImageSplit, transform: ImageTransform, batch_size: int, device: torch.device
+) -> torch.Tensor:
+    """(N, d) unprompted features of every image of `split`, in order (float32, on the CPU)."""
+    out = []
+    for start in range(0, len(split), batch_size):
+        x = transform(split.images[start : start + batch_size].to(device))
+        out.append(backbone(x, None).float().cpu())
+    return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+def first_per_class(targets: torch.Tensor, per_class: int | None, classes: list[int] | None = None) -> np.ndarray:
+    """Indices of the first `per_class` images (in split order) of each class in `classes` (None: all)."""
+    t = targets.numpy()
+    keep = [np.flatnonzero(t == c)[:per_class] for c in (np.unique(t) if classes is None else classes)]
+    return np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
+
+
+def nearest_class_mean(ftr: torch.Tensor, ytr: torch.Tensor, fte: torch.Tensor, yte: torch.Tensor) -> float:
+    """Accuracy (%) of the nearest training-class mean (Euclidean) over the classes present in `ytr`."""
+    classes = torch.unique(ytr)
+    means = torch.stack([ftr[ytr == c].double().mean(0) for c in classes])
+    pred = classes[torch.cdist(fte.double(), means).argmin(dim=1)]
+    return 100.0 * float((pred == yte).double().mean())
+
+
+def _fit_logistic(x: torch.Tensor, y: torch.Tensor, n_classes: int, c: float, iters: int = 300) -> torch.Tensor:
+    """Weights (d + 1, K) minimising C·Σ CE + ½‖W‖² (bias row unpenalised), L-BFGS in float64."""
+    w = torch.zeros(x.shape[1] + 1, n_classes, dtype=torch.float64, requires_grad=True)
+    xb = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
+    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=iters, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")  # fmt: skip
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = c * F.cross_entropy(xb @ w, y, reduction="sum") + 0.5 * (w[:-1] ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def _predict(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], dim=1) @ w).argmax(dim=1)
+
+
+def linear_probe(
+    ftr: torch.Tensor,
+    ytr: torch.Tensor,
+    fte: torch.Tensor,
+    yte: torch.Tensor,
+    seed: int = 0,
+    grid: tuple[float, ...] = C_GRID,
+    task_groups: list[list[int]] | None = None,
+) -> tuple[float, float, float | None]:
+    """(test accuracy %, chosen C, task-aware accuracy %) of the L2 logistic-regression probe.
+
+    Labels may be any class ids; C is chosen on a stratified fifth of the training set held out with `seed`.
+    `task_groups` (lists of class ids): also report the mean over groups of the accuracy when only the group's
+    classes compete (the task-aware reading), else None."""
+    classes, y_all = torch.unique(ytr, return_inverse=True)
+    lookup = {int(c): i for i, c in enumerate(classes)}
+    if not all(int(c) in lookup for c in torch.unique(yte)):
+        raise ValueError("the probe's test set holds classes it has no training images of")
+    yte_i = torch.tensor([lookup[int(c)] for c in yte])
+    mu, sd = ftr.double().mean(0), ftr.double().std(0).clamp_min(1e-8)
+    xtr, xte = (ftr.double() - mu) / sd, (fte.double() - mu) / sd
+    rng = np.random.default_rng(seed)
+    held = np.zeros(len(y_all), dtype=bool)
+    for c in range(len(classes)):
+        idx = np.flatnonzero(y_all.numpy() == c)
+        held[rng.permutation(idx)[: len(idx) // 5]] = True
+    fit, val = torch.from_numpy(~held), torch.from_numpy(held)
+    best_c, best_acc = grid[0], -1.0
+    for c in grid:
+        w = _fit_logistic(xtr[fit], y_all[fit], len(classes), c)
+        acc = float((_predict(w, xtr[val]) == y_all[val]).double().mean()) if val.any() else 0.0
+        if acc > best_acc + 1e-12:
+            best_c, best_acc = c, acc
+    w = _fit_logistic(xtr, y_all, len(classes), best_c)
+    logits = torch.cat([xte, torch.ones(len(xte), 1, dtype=torch.float64)], dim=1) @ w
+    accuracy = 100.0 * float((logits.argmax(dim=1) == yte_i).double().mean())
+    aware = None
+    if task_groups:
+        accs = []
+        for group in task_groups:
+            cols = torch.tensor([lookup[c] for c in group if c in lookup], dtype=torch.long)
+            rows = torch.isin(yte_i, cols)
+            if rows.any():
+                pred = cols[logits[rows][:, cols].argmax(dim=1)]
+                accs.append(100.0 * float((pred == yte_i[rows]).double().mean()))
+        aware = sum(accs) / len(accs) if accs else None
+    return accuracy, best_c, aware
+
+
+@dataclass
+class ProbeResult:
+    """Frozen-feature accuracies on one set of classes (percent)."""
+
+    classes: int
+    train_images: int
+    test_images: int
+    ncm: float
+    linear: float
+    linear_c: float
+    task_aware: float | None = None
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return dict(self.__dict__)
+
+
+def probe(
+    ftr: torch.Tensor,
+    ytr: torch.Tensor,
+    fte: torch.Tensor,
+    yte: torch.Tensor,
+    seed: int = 0,
+    task_groups: list[list[int]] | None = None,
+) -> ProbeResult:
+    """Nearest class mean and linear probe on precomputed features (labels: class ids)."""
+    if len(ftr) == 0 or len(fte) == 0:
+        raise ValueError("the probe needs training and test images")
+    linear, c, aware = linear_probe(ftr, ytr, fte, yte, seed, task_groups=task_groups)
+    ncm = nearest_class_mean(ftr, ytr, fte, yte)
+    return ProbeResult(len(torch.unique(ytr)), len(ftr), len(fte), ncm, linear, c, aware)
 
 
 def _backbone(cfg: ExperimentConfig, device: torch.device) -> tuple[torch.nn.Module, ImageTransform]:

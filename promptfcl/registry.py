@@ -1,10 +1,18 @@
-"""A small name → object registry used for datasets, backbones and methods (no if/elif factories)."""
+"""The registries: datasets and methods by name (no if/elif factories); backbones use timm's own registry.
+
+Each package registers into these instances (`data.register_dataset`, `methods.base.register_method`); every
+other module looks names up here, or through the package that re-exports them.
+"""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from promptfcl.data.base import DatasetSpec
+    from promptfcl.federation.protocol import MethodSpec
 
 T = TypeVar("T")
 
@@ -51,3 +59,7 @@ class Registry(Generic[T]):
 
     def items(self) -> list[tuple[str, T]]:
         return sorted(self._items.items())
+
+
+DATASETS: Registry[DatasetSpec] = Registry("dataset")
+METHODS: Registry[MethodSpec] = Registry("method")

@@ -7,6 +7,7 @@ Every check here runs before any training and turns problems into `ConfigError`s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,13 @@ from pydantic import BaseModel, ValidationError
 from promptfcl.backbones.precision import compile_problem, precision_problem
 from promptfcl.backbones.vit import BackboneError, build_vit
 from promptfcl.checkpoint import load_checkpoint
-from promptfcl.config import ConfigError, ExperimentConfig, format_validation_error, load_config
+from promptfcl.config import (
+    ConfigError,
+    ExperimentConfig,
+    format_validation_error,
+    load_config,
+    require_variables,
+)
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
 from promptfcl.data.cache import CacheError, default_cache_dir, materialize
 from promptfcl.evaluation.regimes import check_regime
@@ -26,9 +33,11 @@ from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, 
 from promptfcl.methods import METHODS
 from promptfcl.registry import UnknownNameError
 from promptfcl.report.tracking import check_tracking
+from promptfcl.scenario.build import build_scenario
+from promptfcl.scenario.common import class_order, client_slots, task_class_counts
 from promptfcl.scenario.partition import PartitionError
 from promptfcl.scenario.personalized import personalized_class_count
-from promptfcl.scenario.scenario import Scenario, build_scenario, class_order, task_class_counts
+from promptfcl.scenario.scenario import Scenario
 from promptfcl.scenario.upper_bound import check_upper_bound
 from promptfcl.seeding import numpy_rng
 
@@ -92,6 +101,10 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 def _check_data(cfg: ExperimentConfig) -> None:
     spec, options = resolve_dataset_options(cfg)
+    if spec.needs_root:  # an unset $VARIABLE in a path is reported as such, not as a missing folder
+        require_variables("data.root", cfg.data.root)
+        if cfg.data.cache:
+            require_variables("data.cache_dir", cfg.data.cache_dir)
     if spec.needs_root and not cfg.data.download:
         try:
             spec.check(resolve_root(spec, cfg.data.root), options)
@@ -135,9 +148,10 @@ def _check_eval(cfg: ExperimentConfig) -> None:
 
 
 def _check_engine(cfg: ExperimentConfig) -> None:
-    """The fault plan and the quorum must fit the scenario; the precision and compilation must run on the device."""
+    """The fault plan and the quorum must fit the scenario; the precision and compilation must run on the device;
+    `engine.kind: flower-sim` needs Flower installed."""
     sc, problems = cfg.scenario, []
-    clients = sc.num_clients * sc.rounds_per_task if sc.partition.kind == "hepco" else sc.num_clients
+    clients = client_slots(sc)
     for i, f in enumerate(cfg.engine.faults):
         key = f"engine.faults.{i}"
         if f.client is not None and f.client >= clients:
@@ -146,6 +160,11 @@ def _check_engine(cfg: ExperimentConfig) -> None:
             problems.append(f"{key}.tasks: the scenario has tasks 0..{sc.num_tasks - 1}; remove {max(f.tasks)}")
         if f.rounds and max(f.rounds) >= sc.rounds_per_task:
             problems.append(f"{key}.rounds: a task has rounds 0..{sc.rounds_per_task - 1}; remove {max(f.rounds)}")
+    if cfg.engine.kind == "flower-sim" and not flower_installed():
+        problems.append(
+            "engine.kind: flower-sim runs the experiment on Flower's simulation runtime, but flwr is not installed; "
+            "pip install 'promptfcl[flower]', or set engine.kind: inprocess (drop --engine flower-sim)"
+        )
     device = resolve_device(cfg) if cfg.engine.device != "cuda" or torch.cuda.is_available() else None
     if device is not None:  # (a missing GPU is reported when the device is resolved)
         problems += [p for p in (precision_problem(cfg.engine.precision, device),) if p]
@@ -154,8 +173,14 @@ def _check_engine(cfg: ExperimentConfig) -> None:
         raise ConfigError("invalid engine section:\n  " + "\n  ".join(problems))
 
 
+def flower_installed() -> bool:
+    """Whether Flower (`flwr`, the `promptfcl[flower]` extra) can be imported; nothing is imported here."""
+    return importlib.util.find_spec("flwr") is not None
+
+
 def _check_backbone(cfg: ExperimentConfig) -> None:
     b = cfg.backbone
+    require_variables("backbone.weights", b.weights)
     if b.kind == "clip":
         _check_clip_backbone(cfg)
         return
@@ -291,15 +316,13 @@ class Runtime:
         for t in scenario.label_space.tasks:
             for c, j in zip(t.classes, t.logits, strict=True):
                 names[j] = dataset.class_names[c]
-        extras = {
-            "class_names": names,
-            "num_clients": scenario.num_clients,
-            "rounds_per_task": scenario.rounds_per_task,  # methods with an end-of-task exchange (LoRM)
-        }
-        env = MethodEnv(backbone, scenario.label_space, eval_tf, device, cfg.seed, extras, schedule=scenario.schedule)
+        env = MethodEnv(
+            backbone, scenario.label_space, eval_tf, device, cfg.seed, schedule=scenario.schedule, class_names=names,
+            num_clients=scenario.num_clients, rounds_per_task=scenario.rounds_per_task,
+        )  # fmt: skip
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
-            env.extras["server_split"] = dataset.test
-            env.extras["client_tasks"] = scenario.client_tasks  # which head rows each client trains in each task
+            env.server_split = dataset.test
+            env.client_tasks = scenario.client_tasks
         return cls(cfg, spec, params, device, dataset, scenario, env)
 
     def programs(self) -> tuple[ServerProgram, ClientProgram]:

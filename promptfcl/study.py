@@ -16,7 +16,9 @@ cells:
 A cell may name its own `base` (relative to the study file). A cell with `probe: true` is the family's frozen-feature
 reference row: instead of training it runs the linear / nearest-class-mean probe of the frozen backbone on the
 training images and classes of its scenario (`promptfcl.frozen_probe`). Its `method` mapping replaces the base's method
-section (methods have different keys); its `set` list is applied after it. `sweep` (study-wide and per cell,
+section (methods have different keys); its `engine` mapping (e.g. `{kind: flower-sim}`) is merged into the base's
+engine section, so its runs record the engine in their config and `promptfcl run` (and `--resume`) use it; its `set`
+list is applied after both. `sweep` (study-wide and per cell,
 the cell's list wins for a key both name) expands a cell into the cartesian grid of its values, each point a
 cell of its own named `<cell>-<key>=<value>…` (key: the last part of the dotted path) with the point's
 overrides applied last. Each (cell, seed) runs in `OUT/<cell>/seed<k>/` as its own `promptfcl run` process:
@@ -57,6 +59,7 @@ from promptfcl.config import (
     build_config,
     dump_config,
     read_yaml,
+    unset_variables,
 )
 
 Sweep = dict[str, list[Any]]
@@ -81,6 +84,11 @@ class CellConfig(StrictModel):
         False, description="the family's frozen-feature reference row: probe the scenario's data, train nothing"
     )
     method: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = Field(
+        None,
+        description="merged into the base's engine section, e.g. {kind: flower-sim}: the cell's runs record it in "
+        "their config and run (and resume) on that engine",
+    )
     set: list[str] = Field(default_factory=list)
     sweep: Sweep = Field(default_factory=dict, description="key path -> values; the cell becomes their grid")
 
@@ -199,12 +207,17 @@ def cell_config(study: StudyConfig, study_dir: Path, cell: str | Cell, seed: int
         raw = read_yaml(study_dir / (spec.base or study.base))
         if spec.method is not None:
             raw["method"] = dict(spec.method)
+        if spec.engine is not None:
+            base_engine = raw.get("engine")
+            raw["engine"] = {**(base_engine if isinstance(base_engine, dict) else {}), **spec.engine}
         overrides = [*study.set, *spec.set, *cell.overrides(), f"seed={seed}", f"name={study.name}_{cell.name}"]
         cfg = build_config(apply_overrides(raw, overrides))
     except ConfigError as e:
         raise ConfigError(f"study cell {cell.name!r} (seed {seed}): {e}") from None
     weights = cfg.backbone.weights
-    if study.missing_weights == "random_init" and weights and not Path(weights).is_file():
+    # an unset environment variable in the path is a machine to fix (check_config reports it), not weights to skip
+    absent = bool(weights) and not unset_variables(weights) and not Path(str(weights)).is_file()
+    if study.missing_weights == "random_init" and absent:
         cfg.backbone.weights = None
         cfg.name = f"{cfg.name}_RANDOM_INIT"
     return cfg

@@ -75,7 +75,7 @@ class RecordingGrid(InProcessGrid):
         sent = {c: m.copy() for c, m in messages.items()}
         replies = super()._deliver(messages)
         whole = {c: self.whole.get(c, r).copy() for c, r in replies.items()}
-        self.log.append((self.round.task, self.round.round, sent, whole))
+        self.log.append((self.round.stage, self.round.round, sent, whole))
         return replies
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from promptfcl.federation.aggregation import classwise_mean, mix_rows, project_gram, prototype_reweight
+from promptfcl.methods.c2prompt.cpa import mix_rows
+from promptfcl.methods.capt.aggregation import classwise_mean
+from promptfcl.methods.lorm.regmean import project_gram
+from promptfcl.methods.pilora.prototypes import prototype_reweight
 
 META = torch.device("meta")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,14 +19,14 @@ from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.regimes import SlotRegime
 from promptfcl.experiment import Experiment
-from promptfcl.federation.aggregation import class_affinity_weights, mix_rows
 from promptfcl.federation.protocol import RoundInfo
-from promptfcl.methods.c2prompt import C2PromptClient
-from promptfcl.methods.fedavg import SupervisedClient
-from promptfcl.prompts.compensation import CompensationPrompts
+from promptfcl.methods.base.fedavg import SupervisedClient
+from promptfcl.methods.c2prompt import C2PromptClient, TrainingPass
+from promptfcl.methods.c2prompt.compensation_prompts import CompensationPrompts
+from promptfcl.methods.c2prompt.compensation_training import mean_nll, train_compensation
+from promptfcl.methods.c2prompt.cpa import class_affinity_weights, mix_rows
 from promptfcl.runtime import Runtime
 from promptfcl.statistics import pooled, summarize
-from promptfcl.training.compensation import mean_nll, train_compensation
 
 from .conftest import TINY, RecordingGrid, deep_update, interrupted_then_resumed, tiny_config
 
@@ -80,7 +79,7 @@ def test_round_zero_sends_each_client_the_moment_matched_gaussians_of_its_classe
         c2p(), {"scenario": {"asynchronous": {"slice_rule": "distinct", "min_overlap": 2, "data_slices": 4}}}
     )
     rt, server, grid = programs_on_a_grid(raw)  # distinct slices: clients sharing a class hold different images
-    server.begin_task(0)
+    server.begin_stage(0)
     run_round(server, grid, 0, 0, (0, 1, 2))
     assert [m.kind for m in grid.sent[0].values()] == ["stats"] * 3
     sent = grid.sent[1]
@@ -154,16 +153,16 @@ def test_lcdc_lowers_the_nll_and_pulls_client_class_means_together() -> None:
 def test_split_ce_separates_compensated_from_plain_samples() -> None:
     """The LCDC shortcut diagnostic: the round's CE means over the samples that carried their label's compensation
     prompt and over the others, accumulated across batches (hand-computed on two batches)."""
-    client = SimpleNamespace(_split_ce=torch.zeros(4, dtype=torch.float64))
+    run = TrainingPass(torch.zeros(0))
     logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
     y = torch.tensor([0, 0, 1])
-    C2PromptClient.record_split_ce(client, logits, y, torch.tensor([True, False, False]))
-    C2PromptClient.record_split_ce(client, logits[:1], y[:1], torch.tensor([True]))
+    run.record_split_ce(logits, y, torch.tensor([True, False, False]))
+    run.record_split_ce(logits[:1], y[:1], torch.tensor([True]))
     easy, hard, even = math.log(1 + math.exp(-2)), math.log(1 + math.exp(2)), math.log(2)
-    out = C2PromptClient.split_ce(client)
+    out = run.split_ce()
     assert out["lcdc_ce_compensated"] == pytest.approx(easy)
     assert out["lcdc_ce_plain"] == pytest.approx((hard + even) / 2)
-    assert C2PromptClient.split_ce(SimpleNamespace(_split_ce=torch.tensor([1.0, 1.0, 0.0, 0.0]))) == {}
+    assert TrainingPass(torch.zeros(0), split=torch.tensor([1.0, 1.0, 0.0, 0.0])).split_ce() == {}
 
 
 def test_cpa_rows_sum_to_one_and_weight_agreeing_clients_more() -> None:
@@ -238,7 +237,7 @@ def test_histogram_weights_and_each_clients_rows(tmp_path: Path) -> None:
     W = row-softmax(Ĥ Ĥᵀ / τ) (computed here from scratch); client k's stage block becomes rows [kN, (k+1)N) of
     W·P for prompts, keys and attention vectors; the next round sends each client exactly that."""
     rt, server, grid = programs_on_a_grid(c2p(lcdc=False))
-    server.begin_task(0)
+    server.begin_stage(0)
     run_round(server, grid, 0, 0, (0, 1, 2))
     replies, K, N = grid.replies[-1], 3, 2
     tau = rt.params.cpa_temperature

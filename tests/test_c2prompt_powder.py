@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from promptfcl.experiment import Experiment
-from promptfcl.federation.aggregation import class_affinity_weights
 from promptfcl.methods.c2prompt import C2PromptPowderClient, C2PromptPowderServer
+from promptfcl.methods.c2prompt.cpa import class_affinity_weights
 from promptfcl.prompts.codap import attention_weights
 
 from .conftest import tiny_config
@@ -42,7 +42,7 @@ def test_cpa_on_powder_mixes_the_participants_own_blocks() -> None:
     trained); per layer W = row-softmax(Ĥ Ĥᵀ / τ) (from scratch) and task g_k's block becomes rows k of W·P."""
     rt, server, grid = programs_on_a_grid(c2p_powder(lcdc=False))
     assert isinstance(server, C2PromptPowderServer) and isinstance(grid.client, C2PromptPowderClient)
-    server.begin_task(0)
+    server.begin_stage(0)
     run_round(server, grid, 0, 0, (0, 1, 2))
     replies, K, N = grid.replies[-1], 3, 2
     for k in range(K):
@@ -76,14 +76,14 @@ def test_powder_base_histogram_counts_the_own_blocks_alpha_per_layer() -> None:
     """H[l, m, c] += Σ_{x of real class c} α^{(l)}_m(x), α from the client's own block's keys and attention vectors
     of layer l (computed here from scratch)."""
     rt, server, grid = programs_on_a_grid(c2p_powder(lcdc=False))
-    server.begin_task(0)
+    server.begin_stage(0)
     server.trained[0] = True
     model, client = server.client_model(0, 0), grid.client
     x = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     q, real = rt.env.backbone.query(x), torch.tensor([3, 3, 5, 7, 5, 3])
-    client._hist = torch.zeros(2, 2, 12)
-    client.accumulate(model, q, real)
+    hist = torch.zeros(2, 2, 12)
+    client.accumulate(hist, model, q, real)
     for layer in range(2):
         alpha = attention_weights(q, model.prompt.own_keys[layer], model.prompt.own_attention[layer])
         want = torch.zeros(2, 12).index_add_(1, real, alpha.detach().T)
-        assert torch.allclose(client._hist[layer], want, atol=1e-6), layer
+        assert torch.allclose(hist[layer], want, atol=1e-6), layer

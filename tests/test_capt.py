@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from promptfcl.config import build_config
-from promptfcl.federation.bandit import BanditScheduler
-from promptfcl.federation.clustering import (
+from promptfcl.methods.capt.bandit import BanditScheduler
+from promptfcl.methods.capt.clustering import (
     cluster_rows,
     complementarity,
     complementary_clusters,
@@ -160,8 +160,8 @@ def train_replies(grid) -> dict:
 
 
 def test_cluster_members_receive_identical_p_c_and_clusters_different_ones(runtime) -> None:
-    from promptfcl.federation.clustering import normalise
     from promptfcl.federation.protocol import RoundInfo
+    from promptfcl.methods.capt.clustering import normalise
     from promptfcl.seeding import derive_seed
 
     params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 100, "sim_clusters": 2})
@@ -189,7 +189,7 @@ def test_each_heterogeneity_cluster_receives_the_sample_weighted_mean_of_its_mem
     """Heterogeneity clustering as printed (default `het_grouping: paper`): K-means on the rows of the
     complementarity matrix over head ∪ tail classes; the members of a cluster receive the sample-weighted mean of
     their uploaded P_g (context and deep context), different clusters different ones; F stays local."""
-    from promptfcl.federation.clustering import normalise
+    from promptfcl.methods.capt.clustering import normalise
     from promptfcl.seeding import derive_seed
 
     params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 100, "het_clusters": 2})
@@ -341,7 +341,7 @@ def test_clip_baselines_train_their_own_part_and_average_it_by_samples(method) -
         assert not grid.sent
         model, clip = server.global_model(), rt.env.backbone
         x = torch.rand(3, 3, 32, 32)
-        tokens = clip.tokenize([f"a photo of a {n.replace('_', ' ')}." for n in rt.env.extras["class_names"]])
+        tokens = clip.tokenize([f"a photo of a {n.replace('_', ' ')}." for n in rt.env.class_names])
         text = F.normalize(clip.encode_text(clip.token_embeddings(tokens), tokens), dim=-1)
         image = F.normalize(clip.encode_image(x), dim=-1)
         assert torch.allclose(model(x), clip.logit_scale * image @ text.t(), atol=1e-4)

@@ -23,8 +23,8 @@ from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, ClientProgram
 from promptfcl.report.comparison import scenario_label
 from promptfcl.runtime import Runtime
+from promptfcl.scenario import Scenario, build_scenario
 from promptfcl.scenario.partition import PartitionError
-from promptfcl.scenario.scenario import Scenario, build_scenario
 from promptfcl.statistics.client_gap import client_class_features, client_class_gap
 
 from .conftest import TINY, deep_update

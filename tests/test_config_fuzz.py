@@ -22,10 +22,10 @@ from promptfcl import config as C
 from promptfcl.cli import main
 from promptfcl.config import ConfigError, ScenarioConfig, build_config
 from promptfcl.methods import METHODS
-from promptfcl.methods.fedavg import AggregationParams
+from promptfcl.methods.base.fedavg import AggregationParams
 from promptfcl.runtime import check_config
+from promptfcl.scenario import build_class_incremental
 from promptfcl.scenario.partition import PartitionError
-from promptfcl.scenario.scenario import build_class_incremental
 
 from .conftest import tiny_raw
 

@@ -39,7 +39,7 @@ def test_each_client_trains_the_block_of_its_own_task_position() -> None:
     task train block 0 and leave block 1 alone — asynchronous prompt learning."""
     rt, server, grid = programs_on_a_grid(fcp())
     for stage, rounds in ((0, 2), (1, 1)):
-        server.begin_task(stage)
+        server.begin_stage(stage)
         for r in range(rounds):
             run_round(server, grid, stage, r, (0, 1, 2))
     sent, replies = grid.sent[-1], grid.replies[-1]
@@ -65,8 +65,8 @@ def test_each_client_trains_the_block_of_its_own_task_position() -> None:
 def test_local_loss_is_ce_plus_c2l_against_the_received_and_previous_task_models(c2l_on: str) -> None:
     rt, server, grid = programs_on_a_grid(fcp(c2l_on=c2l_on))
     client = grid.client
-    server.begin_task(0)
-    server.begin_task(1)
+    server.begin_stage(0)
+    server.begin_stage(1)
     received = server.model.get_state()
     gen = torch.Generator().manual_seed(3)
     previous = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in received.items()}
@@ -123,7 +123,7 @@ def test_c2l_holds_the_clients_representation_near_the_received_models() -> None
     reach = {}
     for weight in (1e-6, 1.0):
         rt, server, grid = programs_on_a_grid(fcp(c2l_weight=weight, local_epochs=3))
-        server.begin_task(0)
+        server.begin_stage(0)
         metrics = run_round(server, grid, 0, 0, (0, 1, 2))
         reach[weight] = metrics["c2l_distance"]
         assert metrics["c2l_anchor_norm"] > 0

@@ -16,8 +16,8 @@ from promptfcl.experiment import Experiment
 from promptfcl.federation.inprocess import run_client
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext
-from promptfcl.methods.fedmgp_model import distill_pool, distillation_loss, key_chance, key_hits
-from promptfcl.prompts.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.model import distill_pool, distillation_loss, key_chance, key_hits
 from promptfcl.runtime import Runtime
 
 from .conftest import RecordingGrid, interrupted_then_resumed, tiny_raw
@@ -436,7 +436,7 @@ def test_baselines_client_local_accuracy_is_the_global_model_on_each_clients_own
 ) -> None:
     """The accuracy the client_local regime reports for (client, task) equals the final global model recomputed
     here on that client's local test split of its task, with only that task's classes competing."""
-    from promptfcl.methods.fedavg import set_task
+    from promptfcl.methods.base.fedavg import set_task
     from promptfcl.scenario.label_space import masked_logits
 
     extra = {"feddualprompt": {"g_layers": [0], "e_layers": [1], "pool_size": 4, "g_length": 2, "e_length": 2}}

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from promptfcl.config import build_config
+from promptfcl.config import build_config, load_config
 from promptfcl.experiment import Experiment
 
 from .conftest import tiny_raw
@@ -86,9 +86,17 @@ def test_flower_simulation_engine_equals_in_process_engine(tmp_path: Path) -> No
     cfg.write_text(yaml.safe_dump(raw))
     assert main(["run", str(cfg), "--quiet", "--run-dir", str(tmp_path / "inproc")]) == 0
     assert main(["run", str(cfg), "--engine", "flower-sim", "--run-dir", str(tmp_path / "sim")]) == 0
+    assert load_config(tmp_path / "sim" / "config.yaml").engine.kind == "flower-sim"  # recorded: --resume uses it
     ours = json.loads((tmp_path / "sim" / "metrics.json").read_text())
     ref = json.loads((tmp_path / "inproc" / "metrics.json").read_text())
     assert ours["accuracy_matrix"] == ref["accuracy_matrix"] and ours["communication"] == ref["communication"]
+    log, checkpoint = tmp_path / "sim" / "flower" / "flwr_run.log", tmp_path / "sim" / "checkpoint.safetensors"
+    first, saved = log.stat().st_mtime_ns, checkpoint.stat().st_mtime_ns
+    assert main(["run", "--resume", str(tmp_path / "sim"), "--quiet"]) == 0  # on the recorded engine: Flower again
+    assert log.stat().st_mtime_ns > first  # a second simulation ran ...
+    assert checkpoint.stat().st_mtime_ns == saved  # ... and resumed after the last round: no round ran again
+    again = json.loads((tmp_path / "sim" / "metrics.json").read_text())
+    assert again["accuracy_matrix"] == ref["accuracy_matrix"]
     leftover = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
     homes = [_environ_of(line.split()[0]) for line in leftover if "flower-superlink" in line]
     assert not any(str(tmp_path / "sim") in env for env in homes)  # the simulation SuperLink was stopped

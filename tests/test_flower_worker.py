@@ -26,15 +26,24 @@ pytest.importorskip("flwr", reason="flwr not installed: pip install 'promptfcl[f
 
 from flwr.app import RecordDict  # noqa: E402
 
-from promptfcl.flower.message_kinds import CLIENT_MESSAGE_KINDS  # noqa: E402
 from promptfcl.flower.node_worker import from_bytes, to_bytes  # noqa: E402
 from promptfcl.flower.records import from_record_dict, load_state, to_record_dict  # noqa: E402
 from promptfcl.flower.worker_link import WorkerError, call_worker, socket_path  # noqa: E402
 
 
-def test_clientapp_registers_every_method_message_kind() -> None:
+def test_every_method_message_kind_reaches_the_clientapp_through_its_two_handlers() -> None:
+    """Every kind a registered client program handles maps to a Flower message type the ClientApp registers (train,
+    or the one promptfcl query), and the kind itself survives the record round trip."""
+    from promptfcl.flower.client_app import app
+    from promptfcl.flower.records import flower_message_type
+
+    registered = set(app._registered_funcs)  # noqa: SLF001 - Flower keeps its routes here
     kinds = {k for _, spec in METHODS.items() for k in spec.client.message_kinds}
-    assert set(CLIENT_MESSAGE_KINDS) == kinds, "update promptfcl/flower/message_kinds.py"
+    assert {"train", "evaluate", "stats", "gram", "signature", "label_counts", "update"} <= kinds
+    for kind in kinds:
+        sent = flower_message_type(kind)
+        assert (sent if "." in sent else f"{sent}.default") in registered, kind  # Flower's name for a bare type
+        assert from_record_dict(to_record_dict(Message(kind=kind))).kind == kind
 
 
 def test_node_worker_builds_runtime_once_and_matches_in_process(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ from promptfcl.experiment import Experiment
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import RoundInfo
 from promptfcl.methods.hepco import prompt_output, round_sample_count
+from promptfcl.methods.hepco.latent_generator import LatentGenerator, Teacher, train_generator
 from promptfcl.runtime import Runtime
-from promptfcl.training.latent_generator import LatentGenerator, Teacher, train_generator
 from promptfcl.training.regularizers import lwf_mc_loss, proximal_term
 
 from .conftest import tiny_raw
@@ -33,7 +33,7 @@ def clients_and_server(seed: int = 0):
     torch.manual_seed(seed)
     rt = Runtime.build(pool_config("hepco"))
     server = rt.programs()[0]
-    server.begin_task(0)
+    server.begin_stage(0)
     clients = []
     for k in range(2):
         m = copy.deepcopy(server.model)
@@ -218,11 +218,11 @@ def test_previous_server_replay_distils_the_old_classes_into_the_head() -> None:
             loss.backward()
             opt.step()
 
-    server.begin_task(0)
+    server.begin_stage(0)
     fit(3, old)
     server.cumulative[:3] = torch.bincount(y[old], minlength=3)
-    server.end_task(0)
-    server.begin_task(1)
+    server.end_stage(0)
+    server.begin_stage(1)
     with torch.no_grad():  # forgotten: the old rows redrawn
         head.weight[:3].normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
         head.bias[:3].zero_()

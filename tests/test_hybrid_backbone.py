@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from promptfcl.backbones import PromptSpec, build_vit
 from promptfcl.config import BackboneConfig
-from promptfcl.evaluation.probe import first_per_class, linear_probe, nearest_class_mean, probe
+from promptfcl.frozen_probe import first_per_class, linear_probe, nearest_class_mean, probe
 
 HYBRID = BackboneConfig(name="vit_tiny_hybrid_lite0", img_size=64, kwargs={"depth": 2})
 
@@ -91,7 +91,7 @@ def test_first_per_class_takes_the_first_images_in_split_order() -> None:
 
 
 def test_full_fine_tuning_on_the_hybrid_keeps_the_stem_frozen_cached_and_unexchanged(hybrid) -> None:
-    from promptfcl.methods.fedavg_ft import FineTunedClassifier
+    from promptfcl.methods.base.finetune import FineTunedClassifier
 
     model = FineTunedClassifier(hybrid, 5)
     state = model.state_dict()

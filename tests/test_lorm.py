@@ -8,10 +8,10 @@ import torch
 from promptfcl.adapters.lora import site_key
 from promptfcl.backbones import build_vit
 from promptfcl.data.loader import LabeledSubset
-from promptfcl.federation.aggregation import regmean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, RoundInfo
 from promptfcl.methods.lorm import GRAM, LoRMClient, LoRMServer
+from promptfcl.methods.lorm.regmean import regmean
 from promptfcl.runtime import Runtime
 
 from .conftest import tiny_config
@@ -60,7 +60,7 @@ def fake_reply(server: LoRMServer, factor: str, gen: torch.Generator, xs: dict[s
 
 def test_client_merges_equal_independent_least_squares(runtime: Runtime) -> None:
     server, _ = runtime.programs()
-    server.begin_task(0)
+    server.begin_stage(0)
     gen = torch.Generator().manual_seed(1)
     a0 = server.model.get_state()
     sites = [site_key(s) for s in server.adapter.sites]
@@ -118,7 +118,7 @@ def test_task_merge_is_regmean_of_the_tasks_residual_weights(runtime: Runtime) -
     sites = [site_key(s) for s in server.adapter.sites]
     xs_by_task, deltas = [], []
     for task in range(2):
-        server.begin_task(task)
+        server.begin_stage(task)
         state = server.model.get_state()
         for k in sites:  # a trained module: B ≠ 0
             state[f"prompt.b.{k}"] = torch.randn(state[f"prompt.b.{k}"].shape, generator=gen)
@@ -157,7 +157,7 @@ def test_client_gram_is_the_adapted_layers_input_gram(runtime: Runtime, gram_mod
     server, client = runtime.programs()
     assert isinstance(client, LoRMClient)
     client.params = client.params.model_copy(update={"gram_model": gram_model})
-    server.begin_task(0)
+    server.begin_stage(0)
     state = server.model.get_state()
     gen = torch.Generator().manual_seed(3)
     for k in [k for k in state if k.startswith("prompt.b.")]:

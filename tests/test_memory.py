@@ -19,14 +19,14 @@ from promptfcl.experiment import Experiment
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, ClientProgram, RoundInfo
-from promptfcl.runtime import Runtime
-from promptfcl.training.latent_generator import (
+from promptfcl.methods.hepco.latent_generator import (
     LatentGenerator,
     Teacher,
     backward_sum,
     disagreement,
     train_generator,
 )
+from promptfcl.runtime import Runtime
 
 from .conftest import tiny_config
 
@@ -203,7 +203,7 @@ def test_hepco_teachers_on_disk_give_the_same_run_as_in_memory(tmp_path, monkeyp
     """`teacher_store: disk` writes each client's state as its reply arrives and loads one teacher at a time into
     one shared model: same generator, distillation and final model as keeping every teacher in memory, with one
     teacher model built per server instead of one per client and round, and the files gone after each round."""
-    from promptfcl.training import teacher_store
+    from promptfcl.methods.hepco import teacher_store
 
     built = {"memory": 0, "disk": 0}
     folders: list[str] = []
@@ -293,7 +293,7 @@ def one_round(faults: list[dict], weighting: str = "samples"):
         client, rt.scenario, rt.dataset.train, 0, rt.device, on_reply=lambda c, r: full.update({c: r.copy()})
     )
     grid.configure(GridPolicy(1, None, FaultPlan(cfg.engine.faults)), server.reply_schema)
-    server.begin_task(0)
+    server.begin_stage(0)
     info = RoundInfo(0, 0, tuple(rt.scenario.participants[0][0]))
     grid.start_round(info)
     assert server.folds_replies()
@@ -325,7 +325,7 @@ def test_fedavg_folds_each_validated_reply_into_the_mean_and_keeps_no_client_mod
 
 
 def test_a_folded_run_equals_the_run_that_keeps_every_reply(tmp_path, monkeypatch) -> None:
-    from promptfcl.methods.fedavg import FedAvgServer
+    from promptfcl.methods.base.fedavg import FedAvgServer
 
     folded = Experiment(tiny_config(method=POOL_METHOD), tmp_path / "folded", show_progress=False)
     a = folded.run()

@@ -102,11 +102,11 @@ class ScriptedGrid(Grid):
         self.script = script
 
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
-        held, local = self.script[(self.round.task, self.round.round)]
+        held, local = self.script[(self.round.stage, self.round.round)]
         return {
             c: Message(
                 {},
-                {"global": held[c], "local": {"task": self.round.task, "round": self.round.round, "counts": local[c]}},
+                {"global": held[c], "local": {"task": self.round.stage, "round": self.round.round, "counts": local[c]}},
             )  # fmt: skip
             for c in messages
         }

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from promptfcl.adapters.incremental import IncrementalQVLoRA, orthogonality_loss
-from promptfcl.federation.aggregation import prototype_reweight
 from promptfcl.federation.message import Message
 from promptfcl.methods.pilora import PILoRAServer
+from promptfcl.methods.pilora.incremental_lora import IncrementalQVLoRA, orthogonality_loss
+from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.runtime import Runtime
 from promptfcl.statistics import ClassStatistics
 
@@ -104,7 +104,7 @@ def test_prototype_reweighting_follows_the_equation() -> None:
 def test_server_reweights_prototypes_and_averages_the_task_lora(runtime: Runtime) -> None:
     server, _ = runtime.programs()
     assert isinstance(server, PILoRAServer)
-    server.begin_task(1)
+    server.begin_stage(1)
     names = server.model.task_tensors(1)
     state = server.model.get_state()
     logits = runtime.env.label_space.tasks[1].logits

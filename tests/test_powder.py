@@ -144,7 +144,7 @@ def test_round_zero_signatures_are_the_per_class_mean_alpha_and_set_w(tmp_path: 
     and returns, per class of its task, the mean over its images of α(q(x)) (computed here from the images); the
     server's W over the signed tasks is the powered, row-normalised cosine of the class-mean averages."""
     rt, server, grid = programs_on_a_grid(powder())
-    server.begin_task(0)
+    server.begin_stage(0)
     run_round(server, grid, 0, 0, (0, 1, 2))
     sent, replies = grid.sent[0], grid.replies[0]
     assert [m.kind for m in sent.values()] == ["signature"] * 3 and [m.kind for m in grid.sent[1].values()] == [
@@ -171,7 +171,7 @@ def test_owner_aggregation_and_compact_uplink() -> None:
     """Each upload carries the own block and the head only; block g becomes its owner's upload, other blocks keep
     their values; the downlinks differ per participant (each its own generated prompt)."""
     rt, server, grid = programs_on_a_grid(powder())
-    server.begin_task(0)
+    server.begin_stage(0)
     before = {part: t.clone() for part, t in server.pool.items()}
     run_round(server, grid, 0, 0, (0, 1))
     replies = grid.replies[-1]

@@ -192,7 +192,7 @@ def test_a_run_started_under_another_config_than_its_cells_is_refused_or_moved_a
         r.run_dir.mkdir(parents=True)
         (r.run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     assert stale_runs(runs) == []
-    from promptfcl.methods.registry import METHODS
+    from promptfcl.registry import METHODS
 
     default = METHODS.get("fedavg_prompt").params().batch_size  # written out at its default: no change either
     path = write_study(tmp_path, {"a": {"method": {"name": "fedavg_prompt", "lr": 0.01, "batch_size": default}}})

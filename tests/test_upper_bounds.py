@@ -13,7 +13,7 @@ import yaml
 from promptfcl.config import ConfigError, ScenarioConfig, build_config
 from promptfcl.experiment import Experiment
 from promptfcl.runtime import check_config
-from promptfcl.scenario.scenario import Scenario, build_scenario
+from promptfcl.scenario import Scenario, build_scenario
 
 from .conftest import tiny_raw
 

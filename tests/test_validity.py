@@ -9,16 +9,18 @@ import pytest
 
 from promptfcl.evaluation.validity import (
     LearnedTask,
+    RunEvidence,
     binomial_tail,
     check_client_loss,
-    check_key_hit,
-    check_lcdc,
     check_learned_tasks,
-    check_stage_a,
     failed_checks,
     gate,
 )
 from promptfcl.experiment import Experiment
+from promptfcl.methods import METHODS
+from promptfcl.methods.c2prompt.signals import check_lcdc
+from promptfcl.methods.fedmgp.signals import check_key_hit
+from promptfcl.methods.hepco.signals import check_generator_fidelity, check_stage_a
 
 from .conftest import tiny_config
 
@@ -28,6 +30,10 @@ def test_binomial_tail_matches_hand_computed_values() -> None:
     assert binomial_tail(3, 3, 0.1) == pytest.approx(0.001)
     assert binomial_tail(0, 5, 0.3) == 1.0 and binomial_tail(6, 5, 0.3) == 0.0
     assert binomial_tail(1, 4, 0.25) == pytest.approx(1 - 0.75**4)
+    from scipy import stats
+
+    for k, n, p in [(35, 200, 0.1), (120, 1000, 0.1), (7, 20, 0.5), (60, 100, 0.02)]:
+        assert binomial_tail(k, n, p) == pytest.approx(stats.binom.sf(k - 1, n, p), rel=1e-9, abs=1e-300)
 
 
 @pytest.mark.slow
@@ -66,17 +72,31 @@ def test_learning_checks_on_hand_made_logs() -> None:
     assert not check_learned_tasks([LearnedTask(0, 30.0, 200, 10.0), LearnedTask(1, 12.0, 200, 10.0)]).passed
 
 
+def logged(*rounds: dict) -> RunEvidence:
+    return RunEvidence(rounds=list(rounds))
+
+
 def test_method_signals_fail_at_chance_and_pass_when_active() -> None:
-    at_chance = [{"diag/local_key_hit": 13.0, "diag/local_key_chance": 12.5}]
+    at_chance = logged({"diag/local_key_hit": 13.0, "diag/local_key_chance": 12.5})
     assert not check_key_hit(at_chance).passed
-    assert check_key_hit([{"diag/local_key_hit": 40.0, "diag/local_key_chance": 12.5}]).passed
-    assert check_lcdc([{"lcdc_nll_after": 50.0, "lcdc_nll_unprompted": 60.0}]).passed
-    assert not check_lcdc([{"lcdc_nll_after": 61.0, "lcdc_nll_unprompted": 60.0}]).passed
+    assert check_key_hit(logged({"diag/local_key_hit": 40.0, "diag/local_key_chance": 12.5})).passed
+    assert check_lcdc(logged({"lcdc_nll_after": 50.0, "lcdc_nll_unprompted": 60.0})).passed
+    assert not check_lcdc(logged({"lcdc_nll_after": 61.0, "lcdc_nll_unprompted": 60.0})).passed
     moved = {"stage_a_vs_fedavg": 0.3, "stage_a_loss_first": 2.0, "stage_a_loss_last": 1.0}
-    assert check_stage_a([moved]).passed
-    assert not check_stage_a([{**moved, "stage_a_vs_fedavg": 0.001}]).passed
-    assert not check_stage_a([{**moved, "stage_a_loss_last": 2.5}]).passed
-    assert check_key_hit([{"loss": 1.0}]) is None  # a method that does not report the signal is not held to it
+    assert check_stage_a(logged(moved)).passed
+    assert not check_stage_a(logged({**moved, "stage_a_vs_fedavg": 0.001})).passed
+    assert not check_stage_a(logged({**moved, "stage_a_loss_last": 2.5})).passed
+    assert check_key_hit(logged({"loss": 1.0})) is None  # a method that does not report the signal is not held to it
+
+
+def test_methods_declare_their_signals_and_the_gate_applies_only_the_declared_ones() -> None:
+    assert check_key_hit in METHODS.get("fedmgp").signals
+    assert {check_generator_fidelity, check_stage_a} <= set(METHODS.get("hepco").signals)
+    assert check_lcdc in METHODS.get("c2prompt").signals
+    cfg = {"backbone": {"weights": "w.safetensors"}}
+    run = RunEvidence(cfg, [{"task": 0, "round": 0, "diag/local_key_hit": 13.0, "diag/local_key_chance": 12.5}])
+    assert gate(run)["valid"]  # no signal declared: the key hit is not read
+    assert failed_checks(gate(run, METHODS.get("fedmgp").signals)) == ["key_hit"]
 
 
 def test_gate_is_valid_only_when_every_applicable_check_passes() -> None:
@@ -84,14 +104,12 @@ def test_gate_is_valid_only_when_every_applicable_check_passes() -> None:
     rounds = [{"task": 0, "round": 0, "last_loss": 0.5, "chance_loss": math.log(10)}]
     learned = [LearnedTask(0, 40.0, 100, 10.0)]
     effect = {"applicable": True, "changed": 20.0, "accuracy": 40.0, "accuracy_off": 30.0, "feature_shift": 0.1}
-    assert gate(cfg, rounds, learned, effect)["valid"]
-    assert not gate(cfg, rounds, learned, {**effect, "changed": 1.0})["valid"]
-    assert failed_checks(gate({"backbone": {}}, rounds, learned, effect)) == ["backbone_pretrained"]
+    assert gate(RunEvidence(cfg, rounds, learned, effect))["valid"]
+    assert not gate(RunEvidence(cfg, rounds, learned, {**effect, "changed": 1.0}))["valid"]
+    assert failed_checks(gate(RunEvidence({"backbone": {}}, rounds, learned, effect))) == ["backbone_pretrained"]
     assert failed_checks(None) == ["no validity record"]
 
 
 def test_generator_fidelity_is_read_as_the_fraction_hepco_logs() -> None:
-    from promptfcl.evaluation.validity import check_generator_fidelity
-
-    assert not check_generator_fidelity([{"generator_fidelity": 0.15}, {"generator_fidelity": 0.5}]).passed
-    assert check_generator_fidelity([{"generator_fidelity": 0.9}, {"generator_fidelity": 0.7}]).passed
+    assert not check_generator_fidelity(logged({"generator_fidelity": 0.15}, {"generator_fidelity": 0.5})).passed
+    assert check_generator_fidelity(logged({"generator_fidelity": 0.9}, {"generator_fidelity": 0.7})).passed

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from promptfcl.registry import Registry
+from promptfcl.registry import DATASETS
 
 
 class DataMissingError(FileNotFoundError):
@@ -123,7 +123,6 @@ class DatasetSpec:
     own_long_tail: bool = False
 
 
-DATASETS: Registry[DatasetSpec] = Registry("dataset")
 
 
 def register_dataset(spec: DatasetSpec) -> DatasetSpec:

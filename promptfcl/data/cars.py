@@ -6,8 +6,8 @@
     <root>/devkit/cars_train_annos.mat, <root>/devkit/cars_meta.mat
     <root>/cars_test_annos_withlabels.mat          (or devkit/cars_test_annos_withlabels.mat)
 
-8,144 train / 8,041 test images; class ids are the official 1-based ids − 1, names from `cars_meta.mat`. Reading
-the .mat files needs scipy (`pip install 'promptfcl[datasets]'`). HGP's code (fed-mammoth `seq_cars.py`) loads
+8,144 train / 8,041 test images; class ids are the official 1-based ids − 1, names from `cars_meta.mat`. The
+.mat files are read with scipy. HGP's code (fed-mammoth `seq_cars.py`) loads
 the same official train/test split (through deeplake's `stanford-cars-{train,test}`); HGP splits it into 10 tasks
 (9 × 20 + 16 classes).
 
@@ -56,13 +56,8 @@ def check_cars(root: Path, o: CarsOptions) -> None:
 
 
 def _loadmat(path: Path) -> dict[str, Any]:
-    try:
-        from scipy.io import loadmat
-    except ImportError:
-        raise DataMissingError(
-            "reading the Stanford Cars devkit (.mat) needs scipy: pip install 'promptfcl[datasets]' (or scipy), or "
-            "use data.options.layout: folders"
-        ) from None
+    from scipy.io import loadmat
+
     try:
         return loadmat(str(path), squeeze_me=True)
     except Exception as e:  # noqa: BLE001 - scipy raises several types for a broken file

@@ -87,8 +87,8 @@ def remember_local(
     """After local training in a round the regime evaluates: keep θ_i^r's counts on tasks 0 and current."""
     if ctx.local_test is None or not message.scalars.get(MEASURE, False):
         return
-    counts = measure(predict, ctx, env, sorted({0, ctx.task}), batch_size)
-    ctx.state.scalars[LOCAL_KEY] = {"task": ctx.task, "round": ctx.round, "counts": counts}
+    counts = measure(predict, ctx, env, sorted({0, ctx.stage}), batch_size)
+    ctx.state.scalars[LOCAL_KEY] = {"task": ctx.stage, "round": ctx.round, "counts": counts}
 
 
 def evaluate_reply(

@@ -16,28 +16,21 @@ something. Every run's `metrics.json` gets a `validity` block, `{"valid": bool, 
   which yields the frozen prompt-free forward exactly — changes at least `MIN_CHANGED` % of its test predictions.
   Also reported: accuracy with and without prompts and the mean 1 − cos between prompted and prompt-free features.
   Not applicable to head-only models (no prompt parameters).
-- method signals, read from the round log when a method reports them:
-  `key_hit` (FedMGP: test-time local-prompt hit rate ≥ `KEY_HIT_FACTOR` × its chance rate, last evaluation),
-  `generator_fidelity` (HePCo: the client heads classify the generator's latents as their conditioning label at
-  least a `MIN_FIDELITY` fraction of the time, mean over rounds), `stage_a` (HePCo: prompt distillation moves the
-  prompts by at least `MIN_STAGE_A` of the round's FedAvg move and lowers its loss, mean over rounds), `lcdc` (C2Prompt:
-  compensation prompts bring the features closer to the global class Gaussians than the unprompted ones — NLL
-  after < unprompted NLL, mean over rounds).
+- method signals: each method declares its own checks (`register_method(signals=...)`, kept in the method's
+  folder); each reads the run's evidence (usually series from the round log, `series`) and returns a `Check`,
+  or None when the run carries no such evidence (a method that does not log a signal is not held to it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 LOSS_FRACTION = 0.5
 CHANCE_P = 1e-3
 MIN_CHANGED = 5.0
-KEY_HIT_FACTOR = 2.0
-MIN_FIDELITY = 0.5  # a fraction of the generated latents
-MIN_STAGE_A = 0.05
 
 
 @dataclass
@@ -135,79 +128,37 @@ def check_prompt_effect(effect: dict[str, Any] | None) -> Check | None:
     return Check("prompt_effect", changed, f"≥ {MIN_CHANGED:g} % predictions changed", changed >= MIN_CHANGED, detail)
 
 
-def _series(rounds: list[dict[str, Any]], key: str) -> list[float]:
+def series(rounds: list[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in rounds if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
 
 
-def _mean(v: list[float]) -> float:
+def mean(v: list[float]) -> float:
     return sum(v) / len(v)
 
 
-def check_key_hit(rounds: list[dict[str, Any]]) -> Check | None:
-    hits, chance = _series(rounds, "diag/local_key_hit"), _series(rounds, "diag/local_key_chance")
-    if not hits or not chance:
-        return None
-    ratio = hits[-1] / chance[-1] if chance[-1] > 0 else float("inf")
-    return Check(
-        "key_hit", ratio, f"≥ {KEY_HIT_FACTOR:g} × chance (last evaluation)", ratio >= KEY_HIT_FACTOR,
-        f"hit {hits[-1]:.1f} %, chance {chance[-1]:.1f} %",
-    )  # fmt: skip
+@dataclass
+class RunEvidence:
+    """What a finished run offers the gate: its config (as JSON), its round log, each task's accuracy right after
+    it was learned, and the prompt-effect measurement of its final model(s)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    learned: list[LearnedTask] = field(default_factory=list)
+    prompt_effect: dict[str, Any] | None = None
 
 
-def check_generator_fidelity(rounds: list[dict[str, Any]]) -> Check | None:
-    v = _series(rounds, "generator_fidelity")
-    if not v:
-        return None
-    m = _mean(v)
-    return Check("generator_fidelity", m, f"≥ {MIN_FIDELITY:g} of latents (mean over rounds)", m >= MIN_FIDELITY)
+Signal = Callable[[RunEvidence], Check | None]
 
 
-def check_stage_a(rounds: list[dict[str, Any]]) -> Check | None:
-    move = _series(rounds, "stage_a_vs_fedavg")
-    first, last = _series(rounds, "stage_a_loss_first"), _series(rounds, "stage_a_loss_last")
-    if not move:
-        return None
-    m = _mean(move)
-    lowered = bool(first and last) and _mean(last) < _mean(first)
-    return Check(
-        "stage_a", m, f"≥ {MIN_STAGE_A:g} × the FedAvg move and a lower distillation loss (mean over rounds)",
-        m >= MIN_STAGE_A and lowered,
-        f"loss {_mean(first):.4g} → {_mean(last):.4g}" if first and last else "",
-    )  # fmt: skip
-
-
-def check_lcdc(rounds: list[dict[str, Any]]) -> Check | None:
-    after, unprompted = _series(rounds, "lcdc_nll_after"), _series(rounds, "lcdc_nll_unprompted")
-    if not after or not unprompted:
-        return None
-    gap = _mean(unprompted) - _mean(after)
-    return Check(
-        "lcdc", gap, "> 0 (unprompted NLL − NLL after LCDC, mean over rounds)", gap > 0,
-        f"NLL {_mean(unprompted):.2f} unprompted → {_mean(after):.2f} with compensation",
-    )  # fmt: skip
-
-
-METHOD_SIGNALS: list[Callable[[list[dict[str, Any]]], Check | None]] = [
-    check_key_hit,
-    check_generator_fidelity,
-    check_stage_a,
-    check_lcdc,
-]
-
-
-def gate(
-    cfg: dict[str, Any],
-    rounds: list[dict[str, Any]],
-    learned: list[LearnedTask],
-    prompt_effect: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The run's `validity` block (every applicable check; valid when all pass)."""
+def gate(run: RunEvidence, signals: Sequence[Signal] = ()) -> dict[str, Any]:
+    """The run's `validity` block: the generic checks and the method's own `signals` (declared with
+    `register_method(signals=...)`), every applicable one; valid when all pass."""
     found = [
-        check_backbone(cfg),
-        check_client_loss(rounds),
-        check_learned_tasks(learned),
-        check_prompt_effect(prompt_effect),
-        *(signal(rounds) for signal in METHOD_SIGNALS),
+        check_backbone(run.config),
+        check_client_loss(run.rounds),
+        check_learned_tasks(run.learned),
+        check_prompt_effect(run.prompt_effect),
+        *(signal(run) for signal in signals),
     ]
     checks = [c for c in found if c is not None]
     return {"valid": all(c.passed for c in checks), "checks": [asdict(c) for c in checks]}

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from promptfcl.backbones.vit import FrozenViT
+from promptfcl.data.base import ImageSplit
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.federation.faults import FAULT_KEY
@@ -29,9 +30,10 @@ from promptfcl.scenario.label_space import LabelSpace
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """Where the run is: task index, round within the task, and the clients chosen for this round."""
+    """Where the run is: the stage (a task of the task sequence; in asynchronous scenarios a period in which every
+    client trains its own current task), the round within it, and the clients chosen for this round."""
 
-    task: int
+    stage: int
     round: int
     participants: tuple[int, ...]
 
@@ -60,7 +62,7 @@ class RoundFailed(RuntimeError):
         self.info, self.needed, self.usable, self.failures = info, needed, usable, failures
         lines = "; ".join(f"client {f.client} [{f.kind}] {f.reason}" for f in failures)
         super().__init__(
-            f"task {info.task} round {info.round}: {usable} usable repl{'y' if usable == 1 else 'ies'}, "
+            f"task {info.stage} round {info.round}: {usable} usable repl{'y' if usable == 1 else 'ies'}, "
             f"{needed} needed (engine.min_clients). Failures: {lines or 'none'}"
         )
 
@@ -99,7 +101,8 @@ ReplyExpectation = Callable[[Message], ReplySchema | None]
 class Grid(ABC):
     """What a server program uses to reach clients; engines implement `_deliver`.
 
-    The base class does what every engine must do identically: stamp `task` and `round` on each message,
+    The base class does what every engine must do identically: stamp `task` (the stage index; the wire and the
+    round log keep the key `task`) and `round` on each message,
     inject the fault plan, count bytes down and up, drop every reply that is late, non-finite or does not
     match the server's `ReplySchema` (each with a recorded `ClientFailure`), and raise `RoundFailed` when
     fewer than `min_clients` usable replies remain — so a method only ever aggregates validated replies.
@@ -158,14 +161,14 @@ class Grid(ABC):
         plan = self.policy.faults
         for cid, msg in messages.items():  # own scalars; tensors shared with `msg` until the engine delivers
             m = Message(dict(msg.tensors), copy.deepcopy(msg.scalars), kind=msg.kind)
-            m.scalars.setdefault("task", self.round.task)
+            m.scalars.setdefault("task", self.round.stage)
             m.scalars.setdefault("round", self.round.round)
             for k, v in self.stamp.items():
                 m.scalars.setdefault(k, v)
             self.traffic.bytes_down += m.nbytes()
             fault = None
             if plan:
-                fault = plan.fault_for(self.round.task, self.round.round, self.attempt, cid, self.round.participants)
+                fault = plan.fault_for(self.round.stage, self.round.round, self.attempt, cid, self.round.participants)
             if fault is not None:
                 self._injected.add(cid)
                 if fault.kind == "no_reply":
@@ -271,13 +274,13 @@ class ClientContext:
     """Everything a client program may use while handling one message."""
 
     client_id: int
-    task: int
+    stage: int  # the run loop's stage (the task sequence's task; see `label_task` for the task trained)
     round: int
     state: Record  # persistent for this client across rounds and tasks; nobody else sees it
-    train_data: LabeledSubset  # this client's training data for `task`
-    seed: int  # derived from (run seed, task, round, client, message kind)
+    train_data: LabeledSubset  # this client's training data in this stage
+    seed: int  # derived from (run seed, stage, round, client, message kind)
     device: torch.device
-    label_task: int | None = None  # label-space task (logit slots) trained; `task` unless asynchronous
+    label_task: int | None = None  # label-space task (logit slots) trained; `stage` unless asynchronous
     # the client's label space (its own task sequence in a personalized scenario); None: the method env's
     label_space: LabelSpace | None = None
     # task → this client's local test split of that task (personalized scenarios; None otherwise)
@@ -285,7 +288,7 @@ class ClientContext:
 
     def __post_init__(self) -> None:
         if self.label_task is None:
-            self.label_task = self.task
+            self.label_task = self.stage
 
     def space(self, env: MethodEnv) -> LabelSpace:
         """The label space this client trains and is tested in."""
@@ -301,8 +304,14 @@ class MethodEnv:
     eval_transform: ImageTransform
     device: torch.device
     seed: int
-    extras: dict[str, Any] = field(default_factory=dict)
     schedule: list[list[int]] | None = None  # asynchronous scenarios: [stage][client] → label-space task
+    class_names: list[str] = field(default_factory=list)  # per logit (CLIP methods build class texts from them)
+    num_clients: int = 0
+    rounds_per_task: int = 1  # rounds of each stage (methods with an end-of-task exchange: LoRM, PILoRA)
+    # personalized scenarios: the test split, data no client holds (FedMGP's proxy data), and which real classes
+    # each client trains in each of its tasks ([client][task] → classes: owner-row head averaging)
+    server_split: ImageSplit | None = None
+    client_tasks: list[list[list[int]]] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -313,6 +322,19 @@ class MethodEnv:
         """The label-space task `client` trains in `stage`."""
         return stage if self.schedule is None else self.schedule[stage][client]
 
+    @property
+    def clients_train_own_logits(self) -> bool:
+        """Whether clients train different logits in a stage (asynchronous: each its own (client, task) slots;
+        personalized: each its own task's classes), so a head row has owners rather than every client."""
+        return self.schedule is not None or self.client_tasks is not None
+
+    def trained_logits(self, stage: int, client: int) -> list[int]:
+        """The logits (head rows) `client` trains in `stage`: its own task's classes in a personalized scenario,
+        else the logits of the label-space task it trains (its own slots in an asynchronous one)."""
+        if self.client_tasks is not None:
+            return [int(self.label_space.class_to_logit[c]) for c in self.client_tasks[client][stage]]
+        return list(self.label_space.tasks[self.label_task(stage, client)].logits)
+
     def train_transform(self, augment: str) -> ImageTransform:
         from dataclasses import replace
 
@@ -320,6 +342,9 @@ class MethodEnv:
 
 
 ModelFactory = Callable[[MethodEnv, Any], nn.Module]
+# a method's own validity check: reads a finished run's evidence (`evaluation.validity.RunEvidence`) and returns an
+# `evaluation.validity.Check`, or None when the run carries no such evidence
+ValiditySignal = Callable[[Any], Any]
 
 
 class _Program:
@@ -338,16 +363,16 @@ class _Program:
 class ServerProgram(_Program, ABC):
     """The server side of a method: aggregation and any server-side training, one round at a time."""
 
-    def begin_task(self, task: int) -> None:
-        """Called before the first round of each task, and again when a run resumes inside it (so it must be
+    def begin_stage(self, stage: int) -> None:
+        """Called before the first round of each stage, and again when a run resumes inside it (so it must be
         idempotent: a re-call after `load_state` must not change the state)."""
 
     @abstractmethod
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         """Exchange messages with `info.participants` and update the global model; returns round metrics."""
 
-    def end_task(self, task: int) -> None:
-        """Called after the last round of each task (before evaluation)."""
+    def end_stage(self, stage: int) -> None:
+        """Called after the last round of each stage (before evaluation)."""
 
     def reply_schema(self, message: Message) -> ReplySchema | None:
         """What a reply to `message` must carry (checked by the `Grid` before the server sees it).
@@ -397,18 +422,52 @@ class ServerProgram(_Program, ABC):
         """Restore what `state()` returned."""
 
 
-class ClientProgram(_Program, ABC):
-    """The client side of a method. Holds no per-client data: that lives in `ctx.state`.
+MessageHandler = Callable[[Any, Message, "ClientContext"], Message]
 
-    `message_kinds` lists every message kind `handle` accepts (engines that route by kind, like Flower,
-    register one handler per kind).
+
+def handles(*kinds: str) -> Callable[[MessageHandler], MessageHandler]:
+    """Mark a `ClientProgram` method as the handler of these message kinds: `@handles("train")`.
+
+    The program's `handle` routes by kind; a subclass that overrides a marked method (without re-marking it) keeps
+    its route, and one that marks another method for the same kind takes the route over.
     """
 
-    message_kinds: ClassVar[tuple[str, ...]] = ("train",)
+    def mark(fn: MessageHandler) -> MessageHandler:
+        fn.__promptfcl_handles__ = kinds  # type: ignore[attr-defined]
+        return fn
 
-    @abstractmethod
+    return mark
+
+
+class ClientProgram(_Program):
+    """The client side of a method. Holds no per-client data: that lives in `ctx.state`.
+
+    Each message kind the program answers has a method marked `@handles(kind)`; `message_kinds` lists them (engines
+    that route by kind read it) and `handle` dispatches to them.
+    """
+
+    routes: ClassVar[dict[str, str]] = {}  # message kind → name of the method that handles it
+    message_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        routes: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):  # base classes first, so subclasses take routes over
+            for name, attr in vars(klass).items():
+                for kind in getattr(attr, "__promptfcl_handles__", ()):
+                    routes[kind] = name
+        cls.routes = routes
+        cls.message_kinds = tuple(routes)
+
     def handle(self, message: Message, ctx: ClientContext) -> Message:
-        """Answer one server message."""
+        """Answer one server message with the method marked for its kind."""
+        name = self.routes.get(message.kind)
+        if name is None:
+            raise ValueError(
+                f"{type(self).__name__} cannot handle message kind {message.kind!r} "
+                f"(it handles {', '.join(self.message_kinds) or 'none'})"
+            )
+        return getattr(self, name)(message, ctx)
 
 
 @dataclass(frozen=True)
@@ -423,7 +482,18 @@ class MethodSpec:
     summary: str
     paper: str = ""
     scenario_kinds: tuple[str, ...] | None = None  # the scenario kinds it is defined on (None: any)
+    signals: tuple[ValiditySignal, ...] = ()  # its own validity checks, applied by the gate beside the generic ones
+    builds_on: tuple[str, ...] = ()  # methods its paper builds on (their folders are the only ones it may import)
+    # params → the (server, client) classes of a structural variant (e.g. C2Prompt's `base: powder`), or None
+    variant: Callable[[Any], tuple[type[ServerProgram], type[ClientProgram]] | None] | None = None
+    module: str = ""  # the module that registered it (its folder: `promptfcl.methods.<name>`)
     kind: ClassVar[str] = "method"
 
+    def program_classes(self, params: BaseModel) -> tuple[type[ServerProgram], type[ClientProgram]]:
+        """The server and client classes these params select (the registered ones unless a variant applies)."""
+        chosen = self.variant(params) if self.variant is not None else None
+        return chosen if chosen is not None else (self.server, self.client)
+
     def programs(self, env: MethodEnv, params: BaseModel) -> tuple[ServerProgram, ClientProgram]:
-        return self.server(env, params, self.build_model), self.client(env, params, self.build_model)
+        server, client = self.program_classes(params)
+        return server(env, params, self.build_model), client(env, params, self.build_model)

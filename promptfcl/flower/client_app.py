@@ -18,8 +18,6 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from promptfcl.flower.message_kinds import CLIENT_MESSAGE_KINDS
-
 app = ClientApp()
 
 
@@ -67,5 +65,4 @@ def hello(msg: FlowerMessage, context: Context) -> FlowerMessage:
 
 
 app.train()(handle)
-for _kind in sorted(set(CLIENT_MESSAGE_KINDS) - {"train"}):
-    app.query(_kind)(handle)
+app.query("promptfcl")(handle)  # every other kind (records.PROMPTFCL_QUERY); the kind travels in the record

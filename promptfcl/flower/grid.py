@@ -131,7 +131,7 @@ class FlowerGrid(Grid):
                 content=to_record_dict(m),
                 dst_node_id=self.node_of_client[cid],
                 message_type=flower_message_type(m.kind),
-                group_id=f"{self.round.task}.{self.round.round}",
+                group_id=f"{self.round.stage}.{self.round.round}",
             )
             for cid, m in messages.items()
             if self.node_of_client[cid] in online

@@ -12,9 +12,14 @@ from promptfcl.federation.message import Message, Record
 TENSORS, META, STATE = "promptfcl.tensors", "promptfcl.meta", "promptfcl.state"
 
 
+PROMPTFCL_QUERY = "promptfcl"  # the one Flower query action every non-train kind travels under
+
+
 def flower_message_type(kind: str) -> str:
-    """Our kind → Flower's message type: "train" stays "train", every other kind is "query.<kind>"."""
-    return "train" if kind == "train" else f"query.{kind}"
+    """Our kind → Flower's message type: "train" stays "train", every other kind travels as "query.promptfcl"
+    (the kind itself is in the record's META, and the client program routes on it), so the ClientApp registers
+    two handlers whatever kinds the methods declare, and its relay process needs no list of them."""
+    return "train" if kind == "train" else f"query.{PROMPTFCL_QUERY}"
 
 
 def to_record_dict(msg: Message) -> RecordDict:

@@ -1,4 +1,5 @@
-"""`promptfcl run CONFIG --engine flower-sim`: the experiment through Flower's simulation runtime.
+"""`promptfcl run CONFIG` with `engine.kind: flower-sim` (or `--engine flower-sim`): the experiment through
+Flower's simulation runtime.
 
 Flower's only supported simulation path is `flwr run` against a local simulation SuperLink (Ray backend, one
 virtual SuperNode per client, `partition-id` set by Flower). This writes the app project and a private
@@ -22,6 +23,7 @@ from typing import Any
 
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config
 from promptfcl.flower.project import write_app
+from promptfcl.scenario.common import client_slots
 
 
 def _bin(name: str) -> str:
@@ -34,18 +36,22 @@ def _bin(name: str) -> str:
 
 def simulation_clients(cfg: ExperimentConfig) -> int:
     """Virtual SuperNodes needed: one per client slot of the scenario."""
-    sc = cfg.scenario
-    return sc.num_clients * sc.rounds_per_task if sc.partition.kind == "hepco" else sc.num_clients
+    return client_slots(cfg.scenario)
 
 
-def run_flower_simulation(cfg: ExperimentConfig, run_dir: Path, timeout: float = 24 * 3600) -> dict[str, Any]:
-    """Run `cfg` on Flower's simulation engine; returns the ServerApp's result (summary, matrix, bytes)."""
+def run_flower_simulation(
+    cfg: ExperimentConfig, run_dir: Path, timeout: float = 24 * 3600, resume: bool = False
+) -> dict[str, Any]:
+    """Run `cfg` on Flower's simulation engine; returns the ServerApp's result (summary, matrix, bytes).
+
+    `resume`: continue the run in `run_dir` from its last checkpoint (the ServerApp's `resume` run-config key;
+    clients start with empty states, since Flower's nodes keep theirs and a new simulation has new nodes)."""
     try:
         import flwr  # noqa: F401
         import ray  # noqa: F401
     except ImportError as e:
         raise ConfigError(
-            f"--engine flower-sim needs pip install 'promptfcl[flower]' (flwr[simulation]): {e}"
+            f"engine.kind: flower-sim needs pip install 'promptfcl[flower]' (flwr[simulation]): {e}"
         ) from None
     run_dir = run_dir.resolve()
     work = run_dir / "flower"
@@ -63,9 +69,13 @@ def run_flower_simulation(cfg: ExperimentConfig, run_dir: Path, timeout: float =
     }
     flwr = _bin("flwr")
     subprocess.run([flwr, "config", "list"], env=env, capture_output=True, timeout=120)
-    with open(home / "config.toml", "a") as f:
-        f.write('\n[superlink.sim]\naddress = ":local:"\n')
+    settings = home / "config.toml"
+    if "[superlink.sim]" not in (settings.read_text() if settings.is_file() else ""):  # (a resumed run's is there)
+        with open(settings, "a") as f:
+            f.write('\n[superlink.sim]\naddress = ":local:"\n')
     run_config = f"config-file='{cfg_file}' run-dir='{run_dir}' node-worker=false"
+    if resume:
+        run_config += " resume=true"
     n = str(simulation_clients(cfg))
     try:
         subprocess.run(

@@ -1,25 +1,27 @@
-"""Methods: each module registers a server program, a client program and its paper-default hyper-parameters."""
+"""Methods: one folder each (`promptfcl/methods/<name>/`) on the shared floor `methods/base/`.
+
+Importing this package registers every method in `promptfcl.registry.METHODS`.
+"""
 
 from promptfcl.methods import (  # noqa: F401  (register)
+    baselines,
     c2prompt,
     capt,
     ccvr,
     clip_baselines,
-    fedavg_ft,
-    fedavg_prompt,
+    fedavgm_prompt,
     fedcprompt,
     fedlwf_mc,
     fedmgp,
     fedproto,
     fedprox_prompt,
-    fedvit,
     hepco,
     hgp,
     lorm,
     pilora,
-    pool_baselines,
     powder,
 )
-from promptfcl.methods.registry import METHODS, register_method
+from promptfcl.methods.base import register_method
+from promptfcl.registry import METHODS
 
 __all__ = ["METHODS", "register_method"]

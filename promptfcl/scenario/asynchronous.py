@@ -41,8 +41,9 @@ from __future__ import annotations
 import numpy as np
 
 from promptfcl.config import ScenarioConfig
+from promptfcl.scenario.common import draw_participants
 from promptfcl.scenario.partition import PartitionError
-from promptfcl.scenario.scenario import Scenario, draw_participants
+from promptfcl.scenario.scenario import Scenario
 from promptfcl.seeding import numpy_rng
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from promptfcl.config import ScenarioConfig
+from promptfcl.scenario.common import class_order, draw_participants
 from promptfcl.scenario.partition import PartitionError, dirichlet_partition, iid_partition
-from promptfcl.scenario.scenario import Scenario, class_order, draw_participants
+from promptfcl.scenario.scenario import Scenario
 from promptfcl.seeding import numpy_rng
 
 
@@ -106,13 +107,3 @@ def build_long_tailed(
         cfg.num_clients,
         groups,
     )
-
-
-def build_scenario(
-    cfg: ScenarioConfig, train_targets: np.ndarray, test_targets: np.ndarray, num_classes: int, seed: int
-) -> Scenario:
-    """The scenario family `cfg.kind` names (kept for callers of this module; the one dispatch is
-    `scenario.scenario.build_scenario`)."""
-    from promptfcl.scenario.scenario import build_scenario as dispatch
-
-    return dispatch(cfg, train_targets, test_targets, num_classes, seed)

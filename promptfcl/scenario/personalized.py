@@ -25,8 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from promptfcl.config import ScenarioConfig
+from promptfcl.scenario.common import class_order, draw_participants, task_class_counts
 from promptfcl.scenario.partition import PartitionError, dirichlet_partition
-from promptfcl.scenario.scenario import Scenario, class_order, draw_participants, task_class_counts
+from promptfcl.scenario.scenario import Scenario
 from promptfcl.seeding import numpy_rng
 
 

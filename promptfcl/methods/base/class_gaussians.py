@@ -25,8 +25,8 @@ from promptfcl.data.transforms import ImageTransform
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
 from promptfcl.federation.validation import TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
-from promptfcl.methods.fedavg_prompt import FedAvgPromptParams
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import FedAvgPromptParams
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics import GaussianComponents, MixtureSampler, class_statistics, pooled, uploaded_statistics
 from promptfcl.statistics.class_stats import extract_features, statistics_schema
@@ -72,7 +72,7 @@ class ClassGaussianClient(SupervisedClient):
             p = self.params
             if p.privacy.enabled:  # (ε, δ)-DP statistics of every class of the task (statistics.privacy)
                 feats, ys = extract_features(model.features, ctx.train_data, self.stats_transform(), ctx.device)
-                classes = self.env.label_space.tasks[ctx.task].logits
+                classes = self.env.label_space.tasks[ctx.stage].logits
                 gen = noise_generator(p.privacy, ctx.seed)
                 st = private_class_statistics(feats, ys, classes, p.covariance, 2, p.privacy, gen)
             else:
@@ -94,8 +94,8 @@ class ClassGaussianServer(FedAvgServer):
         stats = uploaded_statistics(replies)
         if self.params.components == "pooled" and stats:
             stats = [pooled(stats)]
-        self.components = self.components.replace_task(info.task, stats)
-        return self.rebalance(info.task, torch_generator(self.env.seed, "rebalance", info.task, info.round))
+        self.components = self.components.replace_task(info.stage, stats)
+        return self.rebalance(info.stage, torch_generator(self.env.seed, "rebalance", info.stage, info.round))
 
     def reply_groups(self) -> list[dict[str, TensorSpec]]:
         space = self.env.label_space

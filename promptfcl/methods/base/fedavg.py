@@ -21,7 +21,15 @@ from promptfcl.federation.aggregation import (
     update_norms,
 )
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
+from promptfcl.federation.protocol import (
+    ClientContext,
+    ClientProgram,
+    Grid,
+    ReplyFold,
+    RoundInfo,
+    ServerProgram,
+    handles,
+)
 from promptfcl.federation.validation import ReplySchema, TensorSpec
 from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
@@ -34,11 +42,6 @@ from promptfcl.training.local import (
     restore_optimizer,
     train_local,
 )
-
-
-def personal_tasks(env: MethodEnv) -> list[list[list[int]]] | None:
-    """[client][task] → real classes, in a personalized scenario (every client its own task sequence); else None."""
-    return env.extras.get("client_tasks")
 
 
 def set_task(model: torch.nn.Module, task: int) -> None:
@@ -82,8 +85,6 @@ class SupervisedClient(ClientProgram):
     splits; in personalized scenarios the client also records its trained (pre-aggregation) model's accuracy.
     """
 
-    message_kinds: ClassVar[tuple[str, ...]] = ("train", "evaluate")
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._model: torch.nn.Module | None = None
@@ -95,21 +96,27 @@ class SupervisedClient(ClientProgram):
             self._model = self.new_model()
         return self._model
 
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind not in ("train", "evaluate"):
-            raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
+    def load(self, message: Message, ctx: ClientContext) -> torch.nn.Module:
+        """The working model with the message's parameters, its prompt pool serving this client's task."""
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
         set_task(model, self.pool_task(ctx))
-        if message.kind == "evaluate":
-            return evaluate_reply(self.predict(model), ctx, self.env, message)
+        return model
+
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
+        model = self.load(message, ctx)
         stats = self.train(model, ctx, message)
         remember_local(self.predict(model), ctx, self.env, message)
         return self.reply(model, ctx, stats)
 
+    @handles("evaluate")
+    def handle_evaluate(self, message: Message, ctx: ClientContext) -> Message:
+        return evaluate_reply(self.predict(self.load(message, ctx)), ctx, self.env, message)
+
     def pool_task(self, ctx: ClientContext) -> int:
         """The task a prompt pool serves while this client trains (the run's task / stage)."""
-        return ctx.task
+        return ctx.stage
 
     def predict(self, model: torch.nn.Module) -> Predict:
         """How this client's model classifies images of a given task (the `client_local` regime)."""
@@ -119,7 +126,10 @@ class SupervisedClient(ClientProgram):
         """The training loss for this message (default: CE over the allowed logits)."""
         return masked_cross_entropy
 
-    def train(self, model: torch.nn.Module, ctx: ClientContext, message: Message) -> dict[str, float]:
+    def train(
+        self, model: torch.nn.Module, ctx: ClientContext, message: Message, loss: LossFn | None = None
+    ) -> dict[str, float]:
+        """Local training on the task's data with `loss` (default: this message's `loss_fn`)."""
         p = self.params
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
@@ -135,7 +145,7 @@ class SupervisedClient(ClientProgram):
             self.env.train_transform(p.augment),
             torch_generator(ctx.seed, "local"),
             ctx.device,
-            self.loss_fn(message, ctx),
+            self.loss_fn(message, ctx) if loss is None else loss,
             opt,
         )
         if opt is not None:
@@ -154,6 +164,12 @@ def loss_scalars(stats: dict[str, float]) -> dict[str, float]:
     return {k: float(stats[k]) for k in ("loss", "last_loss", "chance_loss") if k in stats}
 
 
+def usable_replies(replies: dict[int, Message]) -> dict[int, Message]:
+    """The replies of clients that trained on data this round, in client-id order (so aggregation and statistics do
+    not depend on the order replies arrived in)."""
+    return {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
+
+
 def round_loss(replies: dict[int, Message]) -> dict[str, float]:
     """The round's mean of its replies' loss scalars (`loss`, and `last_loss` / `chance_loss` when all carry them)."""
     out: dict[str, float] = {}
@@ -165,37 +181,104 @@ def round_loss(replies: dict[int, Message]) -> dict[str, float]:
     return out
 
 
-class FedAvgServer(ServerProgram):
-    """Broadcasts the global trainable state, averages what comes back (by samples or uniformly)."""
+class RoundServer(ServerProgram):
+    """A server holding one global model (`self.model`) whose round is the shared sequence of hooks (`run_round`):
+    a method overrides the hooks its paper changes and never rewrites the broadcast, the usable-reply filter or
+    the loss bookkeeping."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         seed_everything(self.env.seed, "model_init")
         self.model = self.new_model()
         self.round_info = RoundInfo(0, 0, ())
-        self._running: RunningMean | None = None  # this round's running mean of folded replies
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         prompt = getattr(self.model, "prompt", None)
         if isinstance(prompt, PromptPool):
             prompt.start_task(task)  # pools that grow per task draw the new block here, once
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """One round as hooks, so that no method rewrites the broadcast and the bookkeeping:
+        `before_round` (exchanges before training) → `configure` (each participant's message) → the grid
+        delivers, validates and (`reply_fold`) folds → `reply_metrics` (from every reply) → usable replies (data
+        held, update screening) with their loss → `aggregate` → `after_aggregate` → `after_round`."""
         self.round_info = info
+        metrics = dict(self.before_round(grid, info))
+        replies = grid.send(self.configure(info), self.reply_fold())
+        metrics.update(self.reply_metrics(replies))
+        usable = self.screen(usable_replies(replies), grid)
+        metrics.update({**round_loss(usable), "clients": len(usable)})
+        if usable:
+            metrics.update(self.aggregate(usable) or {})
+            metrics.update(self.after_aggregate(usable, info))
+        metrics.update(self.after_round(grid, info, metrics))
+        return metrics
+
+    def before_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Exchanges before the training messages (e.g. statistics a round's downlink needs); returns metrics."""
+        return {}
+
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """Each participant's training message (default: the same `downlink` for all)."""
+        message = self.downlink(info)
+        return {c: message for c in info.participants}
+
+    def reply_fold(self) -> ReplyFold | None:
+        """How each validated reply is folded as it arrives (see `Grid.send`); default: none, replies kept whole."""
+        return None
+
+    def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        """Metrics from every reply of the round (clients without data included)."""
+        return {}
+
+    def after_round(self, grid: Grid, info: RoundInfo, metrics: dict[str, float]) -> dict[str, float]:
+        """Exchanges after aggregation (e.g. an end-of-task merge); `metrics` is the round's so far."""
+        return {}
+
+    def screen(self, replies: dict[int, Message], grid: Grid) -> dict[int, Message]:
+        """A server-side defence over the usable replies (refused ones recorded with `grid.reject`); default none."""
+        return replies
+
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float] | None:
+        """Update the global model from the round's usable replies; may return metrics."""
+        raise NotImplementedError(f"{type(self).__name__} must implement aggregate")
+
+    def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
+        """Server-side steps after aggregation (statistics, rebalancing, distillation); returns extra metrics."""
+        return {}
+
+    def downlink(self, info: RoundInfo) -> Message:
+        """What every participant receives this round (default: the global trainable state)."""
+        return Message(self.model.get_state(), kind="train")
+
+    def global_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state(self) -> Record:
+        return Record(self.model.get_state())
+
+    def load_state(self, state: Record) -> None:
+        self.model.set_state(state.tensors)
+
+
+class FedAvgServer(RoundServer):
+    """Broadcasts the global trainable state, averages what comes back (by samples or uniformly), with the
+    configured robust rule and update screening; folds replies into running sums when it can."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._running: RunningMean | None = None  # this round's running mean of folded replies
+
+    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         self._running = RunningMean() if self.folds_replies() else None
         try:
-            replies = grid.broadcast(info.participants, self.downlink(info), self._fold if self._running else None)
-            # in client-id order, so aggregation and statistics do not depend on the order replies arrived in
-            # (folded replies: the in-process engine and the base class hand them over in client-id order)
-            usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-            usable = self.screen(usable, grid)
-            metrics = {**round_loss(usable), "clients": len(usable)}
-            if usable:
-                self.aggregate(usable)
-                metrics.update(self.after_aggregate(usable, info))
+            return super().run_round(grid, info)
         finally:
             self._running = None
-        return metrics
+
+    def reply_fold(self) -> ReplyFold | None:
+        """Into the running mean when this round averages as replies arrive (`folds_replies`)."""
+        return self._fold if self._running is not None else None
 
     # client models after_aggregate reads (HePCo's teachers): their replies are kept whole, not folded
     needs_client_models: ClassVar[bool] = False
@@ -215,11 +298,12 @@ class FedAvgServer(ServerProgram):
         )
 
     def owns_head_rows(self) -> bool:
-        """Whether each head row is averaged over the clients that train it (asynchronous slots; personalized
-        tasks with `personal_head: owners`) rather than over every client."""
-        return self.env.schedule is not None or (
-            personal_tasks(self.env) is not None and self.params.personal_head == "owners"
-        )
+        """Whether each head row is averaged over the clients that train it rather than over every client: on
+        scenarios whose clients train different logits in a stage (`MethodEnv.clients_train_own_logits`), unless
+        a personalized run asks for the uniform head (`personal_head: uniform`)."""
+        if not self.env.clients_train_own_logits:
+            return False
+        return self.env.client_tasks is None or self.params.personal_head == "owners"
 
     def _fold(self, client: int, reply: Message) -> Message:
         """Add a usable reply's model tensors to the running mean; keep its scalars and other tensors."""
@@ -266,15 +350,8 @@ class FedAvgServer(ServerProgram):
         """All-or-none groups of tensors a train reply may carry (e.g. class statistics when it has data)."""
         return []
 
-    def downlink(self, info: RoundInfo) -> Message:
-        """What every participant receives this round (default: the global trainable state)."""
-        return Message(self.model.get_state(), kind="train")
-
-    def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
-        """Server-side steps after averaging (statistics, rebalancing, distillation); returns extra metrics."""
-        return {}
-
-    def aggregate(self, replies: dict[int, Message]) -> None:
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float] | None:
+        """Update the global model from the round's usable replies; may return metrics."""
         weights = None
         if self.params.weighting == "samples":
             weights = [r.scalars["num_samples"] for r in replies.values()]
@@ -291,13 +368,8 @@ class FedAvgServer(ServerProgram):
         self.model.set_state(mean)
 
     def owned_rows(self, client: int) -> list[int]:
-        """The head rows `client` trains this round: the logits of its current label-space task (asynchronous:
-        its own (client, task) slots; personalized: its own task's classes; otherwise the round's task)."""
-        stage, space = self.round_info.task, self.env.label_space
-        tasks = personal_tasks(self.env)
-        if tasks is not None:
-            return [int(space.class_to_logit[c]) for c in tasks[client][stage]]
-        return list(space.tasks[self.env.label_task(stage, client)].logits)
+        """The head rows `client` trains this round (`MethodEnv.trained_logits`)."""
+        return self.env.trained_logits(self.round_info.stage, client)
 
     def owned_head(
         self, previous: dict[str, torch.Tensor], replies: dict[int, Message], weights: list[float] | None
@@ -311,15 +383,6 @@ class FedAvgServer(ServerProgram):
             for k in previous
             if k.startswith("head.")
         }
-
-    def global_model(self) -> torch.nn.Module:
-        return self.model
-
-    def state(self) -> Record:
-        return Record(self.model.get_state())
-
-    def load_state(self, state: Record) -> None:
-        self.model.set_state(state.tensors)
 
 
 class PreviousTaskServer(FedAvgServer):
@@ -337,7 +400,7 @@ class PreviousTaskServer(FedAvgServer):
     def keeps_previous(self) -> bool:
         return True
 
-    def end_task(self, task: int) -> None:
+    def end_stage(self, task: int) -> None:
         if self.keeps_previous():
             self.prev = copy.deepcopy(self.model).eval()
 

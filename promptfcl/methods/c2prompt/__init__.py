@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -83,23 +84,25 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from promptfcl.federation.aggregation import RunningMean, class_affinity_weights, mix_rows, weighted_mean
+from promptfcl.federation.aggregation import RunningMean, weighted_mean
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, ReplyFold, RoundInfo, handles
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, round_loss, set_task
-from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient, set_task
+from promptfcl.methods.base.prompt_models import PoolTrainingParams, pooled_model
+from promptfcl.methods.c2prompt.compensation_prompts import CompensationPrompts
+from promptfcl.methods.c2prompt.compensation_training import train_compensation
+from promptfcl.methods.c2prompt.cpa import class_affinity_weights, mix_rows
+from promptfcl.methods.c2prompt.signals import check_lcdc
 from promptfcl.methods.powder import PowderClient, PowderKnobs, PowderServer, powder_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.powder.generated import PARTS
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts import CodaPool
 from promptfcl.prompts.codap import attention_weights
-from promptfcl.prompts.compensation import CompensationPrompts
-from promptfcl.prompts.generated import PARTS
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import torch_generator
 from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
-from promptfcl.training.compensation import train_compensation
 from promptfcl.training.local import LossFn
 
 POOL_TENSORS = ("prompt.prompts", "prompt.keys", "prompt.attention")
@@ -166,7 +169,7 @@ def lcdc_gaussians(grid: Grid, env: MethodEnv, info: RoundInfo) -> dict[int, dic
     glob = pooled(stats)
     pos = {c: i for i, c in enumerate(glob.classes.tolist())}
     for k in info.participants:
-        mine = [c for c in env.label_space.tasks[env.label_task(info.task, k)].classes if c in pos]
+        mine = [c for c in env.label_space.tasks[env.label_task(info.stage, k)].classes if c in pos]
         rows = torch.tensor([pos[c] for c in mine], dtype=torch.long)
         extra[k] = {
             "lcdc/classes": torch.tensor(mine, dtype=torch.long),
@@ -211,42 +214,60 @@ def cpa_mix(
 
 
 # ------------------------------------------------------------------------------------------- clients
+@dataclass
+class TrainingPass:
+    """What one train message's local training accumulates as its loss runs: the CPA histogram H[l, m, c], the CE
+    sums split by compensation (compensated sum, count, plain sum, count) and the received model (the KD
+    teacher, when `kd_weight` > 0). Built per message, so nothing of it outlives the message."""
+
+    hist: torch.Tensor
+    teacher: nn.Module | None = None
+    split: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
+
+    @torch.no_grad()
+    def record_split_ce(self, logits: torch.Tensor, y: torch.Tensor, compensated: torch.Tensor) -> None:
+        """Add the batch's CE, split by whether the sample carried its label's compensation prompt."""
+        ce = F.cross_entropy(logits, y, reduction="none").double().cpu()
+        c = compensated.cpu()
+        self.split += torch.stack([ce[c].sum(), c.sum().double(), ce[~c].sum(), (~c).sum().double()])
+
+    def split_ce(self) -> dict[str, float]:
+        """The mean CE on compensated (`lcdc_ce_compensated`) and plain (`lcdc_ce_plain`) samples. The
+        compensation prompt is chosen by the label and absent at test time: a compensated CE far below the plain
+        one means it hands the head the label (a shortcut the test images do not have)."""
+        s_c, n_c, s_p, n_p = self.split.tolist()
+        if n_c == 0 or n_p == 0:
+            return {}
+        return {"lcdc_ce_compensated": s_c / n_c, "lcdc_ce_plain": s_p / n_p}
+
+
 class C2PromptClient(SupervisedClient):
-    """Statistics of q(x) (round 0), LCDC, discriminative training with compensation and the CPA histogram.
+    """Statistics of q(x) (round 0), LCDC, discriminative training with compensation and the CPA histogram
+    (`base: powder` uses `C2PromptPowderClient`: the same LCDC and histogram on Powder's generated prompt)."""
 
-    `base: powder` builds `C2PromptPowderClient` (the same LCDC and histogram on Powder's generated prompt)."""
+    @handles("stats")
+    def handle_stats(self, message: Message, ctx: ClientContext) -> Message:
+        return self.statistics(ctx)
 
-    message_kinds = ("train", "stats")
-
-    def __new__(cls, env: MethodEnv, params: C2PromptParams, build_model=None):  # noqa: ANN001, ANN204
-        if cls is C2PromptClient and getattr(params, "base", "codap") == "powder":
-            cls = C2PromptPowderClient
-        return super().__new__(cls)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._teacher: nn.Module | None = None  # per-message scratch: the received model (when kd_weight > 0)
-        self._hist = torch.zeros(0)  # per-message scratch: the CPA histogram being accumulated
-        self._split_ce = torch.zeros(4, dtype=torch.float64)  # per-message scratch: CE sums / counts, see split_ce
-
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind == "stats":
-            return self.statistics(ctx)
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
-        set_task(model, ctx.task)
+        set_task(model, ctx.stage)
         stats: dict[str, float] = {}
         if "lcdc/mean" in message.tensors:
             stats.update(self.compensate(message, ctx))
         if not message.scalars.get("discriminative", True):
             return Message({}, {"num_samples": 0, "loss": 0.0, **stats}, kind="train_reply")
-        self._teacher = copy.deepcopy(model).eval() if self.params.kd_weight > 0 else None
-        self._hist = torch.zeros(*self.histogram_shape(model), self.env.label_space.num_real_classes)
-        self._split_ce.zero_()
-        stats.update(self.train(model, ctx, message))
-        stats.update(self.split_ce())
+        run = TrainingPass(
+            torch.zeros(*self.histogram_shape(model), self.env.label_space.num_real_classes),
+            copy.deepcopy(model).eval() if self.params.kd_weight > 0 else None,
+        )
+        loss = self.training_loss(message, ctx, run) if len(ctx.train_data) else None
+        stats.update(self.train(model, ctx, message, loss))
+        stats.update(run.split_ce())
         reply = self.reply(model, ctx, stats)
-        reply.tensors["cpa/hist"] = self._hist
+        reply.tensors["cpa/hist"] = run.hist
         reply.scalars.update({k: v for k, v in stats.items() if k.startswith("lcdc")})
         return reply
 
@@ -278,7 +299,7 @@ class C2PromptClient(SupervisedClient):
             p.lcdc_epochs, p.lcdc_lr, p.batch_size, gen, ctx.device, p.variance_eps, p.lcdc_diagnostic_samples,
         )  # fmt: skip
         ctx.state.tensors["lcdc/prompts"] = prompts.tokens.detach().cpu()
-        ctx.state.scalars.update(lcdc_stage=ctx.task, lcdc_first_logit=first)
+        ctx.state.scalars.update(lcdc_stage=ctx.stage, lcdc_first_logit=first)
         return out
 
     # ------------------------------------------------------------------------------- rounds 1..N_r
@@ -286,10 +307,12 @@ class C2PromptClient(SupervisedClient):
         """The base's own loss terms, (x, y, logits) → loss (CODA-P: none; Powder: its distillation)."""
         return []
 
-    def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
+    def training_loss(self, message: Message, ctx: ClientContext, run: TrainingPass) -> LossFn:
+        """CE over the task's slots with the label's compensation prompt on a random half of the samples (+ KD,
+        + the base's own terms); records the histogram and the CE split into `run` as it goes."""
         p, space, backbone = self.params, self.env.label_space, self.env.backbone
         comp = None
-        if p.lcdc and ctx.state.scalars.get("lcdc_stage") == ctx.task and "lcdc/prompts" in ctx.state.tensors:
+        if p.lcdc and ctx.state.scalars.get("lcdc_stage") == ctx.stage and "lcdc/prompts" in ctx.state.tensors:
             comp = CompensationPrompts(1, 1, 1)
             comp.tokens = nn.Parameter(ctx.state.tensors["lcdc/prompts"].to(ctx.device), requires_grad=False)
             first = int(ctx.state.scalars["lcdc_first_logit"])
@@ -317,36 +340,20 @@ class C2PromptClient(SupervisedClient):
             logits = model.head(feats)
             total = F.cross_entropy(masked_logits(logits, mask), y) + model.prompt.aux_loss
             if comp is not None:
-                self.record_split_ce(masked_logits(logits, mask), y, use)
-            if self._teacher is not None and old_mask is not None:
+                run.record_split_ce(masked_logits(logits, mask), y, use)
+            if run.teacher is not None and old_mask is not None:
                 with torch.no_grad():
-                    t_logits = self._teacher(x)
+                    t_logits = run.teacher(x)
                 T = p.kd_temperature
                 s_log = F.log_softmax(masked_logits(logits, old_mask) / T, dim=1)[:, old_mask]
                 t_prob = F.softmax(masked_logits(t_logits, old_mask) / T, dim=1)[:, old_mask]
                 total = total + p.kd_weight * T * T * F.kl_div(s_log, t_prob, reduction="batchmean")
             for term in terms:
                 total = total + term(x, y, logits)
-            self.accumulate(model, q, real_of[y])
+            self.accumulate(run.hist, model, q, real_of[y])
             return total
 
         return loss
-
-    @torch.no_grad()
-    def record_split_ce(self, logits: torch.Tensor, y: torch.Tensor, compensated: torch.Tensor) -> None:
-        """Add the batch's CE, split by whether the sample carried its label's compensation prompt."""
-        ce = F.cross_entropy(logits, y, reduction="none").double().cpu()
-        c = compensated.cpu()
-        self._split_ce += torch.stack([ce[c].sum(), c.sum().double(), ce[~c].sum(), (~c).sum().double()])
-
-    def split_ce(self) -> dict[str, float]:
-        """The round's mean CE on compensated (`lcdc_ce_compensated`) and plain (`lcdc_ce_plain`) samples. The
-        compensation prompt is chosen by the label and absent at test time: a compensated CE far below the plain
-        one means it hands the head the label (a shortcut the test images do not have)."""
-        s_c, n_c, s_p, n_p = self._split_ce.tolist()
-        if n_c == 0 or n_p == 0:
-            return {}
-        return {"lcdc_ce_compensated": s_c / n_c, "lcdc_ce_plain": s_p / n_p}
 
     def histogram_shape(self, model: PromptedClassifier) -> tuple[int, int]:
         """(prompted layers, components) of the histogram: the current stage's block."""
@@ -359,10 +366,10 @@ class C2PromptClient(SupervisedClient):
         return model.prompt.component_weights(q, layer)[:, s:f]  # type: ignore[operator]
 
     @torch.no_grad()
-    def accumulate(self, model: PromptedClassifier, q: torch.Tensor, real: torch.Tensor) -> None:
+    def accumulate(self, hist: torch.Tensor, model: PromptedClassifier, q: torch.Tensor, real: torch.Tensor) -> None:
         """H[l, m, c] += Σ α^{(l)}_m(x) over the batch's samples of real class c (the histogram's components)."""
-        for i in range(self._hist.shape[0]):
-            self._hist[i].index_add_(1, real.cpu(), self.component_weights(model, q, i).cpu().T)
+        for i in range(hist.shape[0]):
+            hist[i].index_add_(1, real.cpu(), self.component_weights(model, q, i).cpu().T)
 
     def learned_tasks(self, ctx: ClientContext) -> list[int]:
         """Label-space tasks this client has trained, in order (kept in its state)."""
@@ -375,13 +382,6 @@ class C2PromptClient(SupervisedClient):
 
 class C2PromptPowderClient(C2PromptClient, PowderClient):
     """C2Prompt on Powder's base: Powder's signature and distillation, LCDC and the histogram of the own block."""
-
-    message_kinds = ("train", "stats", "signature")
-
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind == "signature":
-            return self.signature(message, ctx)
-        return C2PromptClient.handle(self, message, ctx)
 
     def extra_terms(self, message: Message, ctx: ClientContext) -> list:
         ntd = self.ntd_term(message, ctx)
@@ -399,22 +399,16 @@ class C2PromptPowderClient(C2PromptClient, PowderClient):
 
 # ------------------------------------------------------------------------------------------- servers
 class C2PromptServer(FedAvgServer):
-    """Moment-matched class Gaussians at round 0; CPA (or FedAvg) of the stage's components per client.
-
-    `base: powder` builds `C2PromptPowderServer` instead (Powder's task pool, generation and aggregation)."""
-
-    def __new__(cls, env: MethodEnv, params: C2PromptParams, build_model=None):  # noqa: ANN001, ANN204
-        if cls is C2PromptServer and getattr(params, "base", "codap") == "powder":
-            return C2PromptPowderServer(env, params, build_model)
-        return super().__new__(cls)
+    """Moment-matched class Gaussians at round 0; CPA (or FedAvg) of the stage's components per client
+    (`base: powder` uses `C2PromptPowderServer`: Powder's task pool, generation and aggregation)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # client → its pool (created from the global one)
-        self.cpa_diagnostics: dict[str, float] = {}  # how the last CPA mixed (see `cpa_mix`)
+        self.gaussians: dict[int, dict[str, torch.Tensor]] = {}  # this round's LCDC Gaussians per participant
 
-    def begin_task(self, task: int) -> None:
-        super().begin_task(task)  # the global pool draws the stage's block (once)
+    def begin_stage(self, task: int) -> None:
+        super().begin_stage(task)  # the global pool draws the stage's block (once)
         g = self.model.get_state()
         for state in self.pools.values():  # every client starts the stage's block from the same draw
             if int(state["prompt.initialized_tasks"]) <= task:
@@ -429,28 +423,28 @@ class C2PromptServer(FedAvgServer):
             self.pools[k] = {n: t.clone() for n, t in g.items() if n.startswith("prompt.")}
         return {**g, **self.pools[k]}
 
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+    def before_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Round 0 (`lcdc`): the participants' class statistics, moment-matched into global class Gaussians."""
         p = self.params
-        self.round_info = info
-        parts = info.participants
-        extra: dict[int, dict[str, torch.Tensor]] = {k: {} for k in parts}
-        metrics: dict[str, float] = {}
-        if p.lcdc and info.round == 0:
-            extra = lcdc_gaussians(grid, self.env, info)
+        self.gaussians = lcdc_gaussians(grid, self.env, info) if p.lcdc and info.round == 0 else {}
+        return {}
+
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """Each participant's own pool with the global head (and its classes' Gaussians at round 0)."""
+        p = self.params
         discriminative = not (p.lcdc and info.round == 0 and p.lcdc_round == "extra")
         g = self.model.get_state()
-        msgs = {
-            k: Message({**self.client_state(k, g), **extra[k]}, {"discriminative": discriminative}, kind="train")
-            for k in parts
-        }
-        replies = grid.send(msgs, self._keep_stage_block)
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics.update({**lcdc_metrics(replies), **round_loss(usable), "clients": len(usable)})
-        if usable:
-            self.cpa_diagnostics = {}
-            self.aggregate(usable)
-            metrics.update(self.cpa_diagnostics)
-        return metrics
+        return {
+            k: Message({**self.client_state(k, g), **self.gaussians.get(k, {})}, {"discriminative": discriminative},
+                       kind="train")
+            for k in info.participants
+        }  # fmt: skip
+
+    def reply_fold(self) -> ReplyFold:
+        return self._keep_stage_block
+
+    def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
+        return lcdc_metrics(replies)
 
     def _keep_stage_block(self, client: int, reply: Message) -> Message:
         """Fold of a train reply as it arrives: of the pool tensors keep only the stage's block of rows (the only
@@ -460,17 +454,19 @@ class C2PromptServer(FedAvgServer):
         tensors = {n: t[:, s:f].clone() if n in POOL_TENSORS else t for n, t in reply.tensors.items()}
         return Message(tensors, reply.scalars, kind=reply.kind)
 
-    def aggregate(self, replies: dict[int, Message]) -> None:
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
         """The stage block of each participant's pool: CPA-mixed per client (or their mean for every client with
-        `cpa: false`); the global pool is the mean of the participants' pools, the head owner-row averaged."""
+        `cpa: false`); the global pool is the mean of the participants' pools, the head owner-row averaged.
+        Returns how CPA mixed (`cpa_mix`)."""
         p = self.params
         weights = [r.scalars["num_samples"] for r in replies.values()] if p.weighting == "samples" else None
         previous = self.model.get_state()
         head = self.owned_head(previous, replies, weights)
         for k in replies:
             self.client_state(k)  # a participant's pool exists (from the global one) before its block is written
+        diagnostics: dict[str, float] = {}
         if p.cpa:
-            blocks, self.cpa_diagnostics = self.class_aware(replies)
+            blocks, diagnostics = self.class_aware(replies)
         else:
             mean = weighted_mean([{n: r.tensors[n] for n in POOL_TENSORS} for r in replies.values()], weights)
             blocks = {k: mean for k in self.pools}
@@ -484,6 +480,7 @@ class C2PromptServer(FedAvgServer):
         pool = mean_pool.result()
         pool["prompt.initialized_tasks"] = previous["prompt.initialized_tasks"]
         self.model.set_state({**previous, **pool, **head})
+        return diagnostics
 
     def class_aware(self, replies: dict[int, Message]) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, float]]:
         """CPA over the participants' stage blocks (`cpa_mix`): client k's mixed block of rows."""
@@ -525,7 +522,7 @@ class C2PromptPowderServer(PowderServer):
     mixed block replaces its task's block (`cpa: false`: Powder's owner aggregation)."""
 
     def round_extras(
-        self, grid: Grid, info: RoundInfo, labels: dict[int, int], metrics: dict[str, float]
+        self, grid: Grid, info: RoundInfo
     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
         p = self.params
         extra = lcdc_gaussians(grid, self.env, info) if p.lcdc and info.round == 0 else {}
@@ -574,19 +571,21 @@ class DirectServer(FedAvgServer):
         self.initial = self.model.get_state()
         self.tasks: dict[int, dict[str, torch.Tensor]] = {}
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         self.model.prompt.set_task(0)
 
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        label = {k: self.env.label_task(info.task, k) for k in info.participants}
-        msgs = {k: Message(self.tasks.get(label[k], self.initial), kind="train") for k in info.participants}
-        replies = grid.send(msgs)
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """Each participant gets its current (client, task)'s own model (fresh at its first round)."""
+        return {
+            k: Message(self.tasks.get(self.env.label_task(info.stage, k), self.initial), kind="train")
+            for k in info.participants
+        }
+
+    def aggregate(self, replies: dict[int, Message]) -> None:
+        """No federation: each trained reply becomes its (client, task)'s model."""
         names = self.initial.keys()
         for k, r in replies.items():
-            if r.scalars.get("num_samples", 0) > 0:
-                self.tasks[label[k]] = {n: r.tensors[n] for n in names}
-        trained = {k: r for k, r in replies.items() if r.scalars.get("num_samples", 0) > 0}
-        return {**round_loss(trained), "clients": len(replies)}
+            self.tasks[self.env.label_task(self.round_info.stage, k)] = {n: r.tensors[n] for n in names}
 
     def client_model(self, client: int, label_task: int | None = None) -> nn.Module:
         """Task g's own model, in one object reused for every task (valid until the next call)."""
@@ -623,6 +622,9 @@ register_method(
     "CODA-P (or, base: powder, Powder's) prompts with LCDC compensation prompts and class-aware (per-client) "
     "prompt aggregation",
     "C2Prompt (arXiv 2509.19674)",
+    signals=(check_lcdc,),
+    builds_on=("powder",),
+    variant=lambda p: (C2PromptPowderServer, C2PromptPowderClient) if p.base == "powder" else None,
 )
 register_method(
     "codap_direct",

@@ -8,7 +8,7 @@ from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
-from promptfcl.prompts.compensation import CompensationPrompts, gaussian_nll
+from promptfcl.methods.c2prompt.compensation_prompts import CompensationPrompts, gaussian_nll
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ Server (Algorithm 1, §3.3, App. A):
    (default, the algorithm as printed) | `deal` (promptfcl's earlier reading of the stated aim, "each cluster
    contains a balanced mix of clients with head classes and those with tail classes": K-means on C's rows finds
    K_h profile groups — clients with the *same* profile — and the clusters are dealt from them so that each
-   mixes profiles; `promptfcl.federation.clustering.complementary_clusters`). The default is the paper's
+   mixes profiles; `promptfcl.methods.capt.clustering.complementary_clusters`). The default is the paper's
    algorithm because it is what the paper specifies; `deal` is kept because K-means on C groups alike clients,
    the opposite of the aim the text states.
 3. a bandit (Eqs. 7–8; arms = global-sync periods {1, 2, 4, 8} [I]) decides when P_g, P_c and F are averaged
@@ -52,7 +52,7 @@ weighted means (rows no participant holds keep their previous value) — exactly
 rounds that synchronise. The prior π [I]: label counts of all clients, asked once before the first round
 (`prior_source: participants` = counts of the clients seen so far). Distance metric and clusterer are
 pluggable (JS/KL/Wasserstein/TV/cosine; K-means/agglomerative/GMM/spectral), as in the paper's App. D; K-means
-is `federation.clustering.kmeans` (k-means++, best of 10, seeded by `derive_seed(seed, "capt", task, round)`).
+is scikit-learn's `KMeans` (k-means++, best of 10, seeded by `derive_seed(seed, "capt", task, round)`).
 
 Extension beyond the paper (`continual: true`, off by default): CAPT in the class-incremental scenarios of the
 other methods. P_c has a row for every class of the run from the start (shapes never depend on the task, so
@@ -75,9 +75,15 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from promptfcl.clip_model import ClipClassifier
-from promptfcl.federation.aggregation import classwise_mean, weighted_mean
-from promptfcl.federation.bandit import BanditScheduler
-from promptfcl.federation.clustering import (
+from promptfcl.federation.aggregation import weighted_mean
+from promptfcl.federation.message import Message, Record
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
+from promptfcl.federation.validation import ReplySchema
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient, loss_scalars
+from promptfcl.methods.capt.aggregation import classwise_mean
+from promptfcl.methods.capt.bandit import BanditScheduler
+from promptfcl.methods.capt.clustering import (
     Clusterer,
     Metric,
     cluster_rows,
@@ -86,14 +92,10 @@ from promptfcl.federation.clustering import (
     normalise,
     pairwise_distance,
 )
-from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, ServerProgram
 from promptfcl.methods.clip_baselines import ClipFedAvgParams, build_clip_model
-from promptfcl.methods.fedavg import SupervisedClient, loss_scalars, round_loss
-from promptfcl.methods.registry import register_method
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.long_tail import class_groups
-from promptfcl.seeding import derive_seed, seed_everything
+from promptfcl.seeding import derive_seed
 from promptfcl.training.local import LossFn
 
 MODEL = "model/"
@@ -205,16 +207,18 @@ def capt_loss(prior: torch.Tensor, lam: float, ca_text: str) -> LossFn:
 class CaptClient(SupervisedClient):
     """Keeps its P_g, P_c and F in `ctx.state`; answers label-count queries, training and prompt updates."""
 
-    message_kinds = ("train", "label_counts", "update")
+    @handles("label_counts")
+    def handle_label_counts(self, message: Message, ctx: ClientContext) -> Message:
+        return Message({"label_counts": self.label_counts(ctx)}, kind="label_counts_reply")
 
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind == "label_counts":
-            return Message({"label_counts": self.label_counts(ctx)}, kind="label_counts_reply")
-        if message.kind == "update":  # cluster / global prompts from the server: kept until the next round
-            ctx.state.tensors.update({k: v.clone() for k, v in message.tensors.items() if k.startswith(MODEL)})
-            return Message(kind="ack")
-        if message.kind != "train":
-            raise ValueError(f"CaptClient cannot handle message kind {message.kind!r}")
+    @handles("update")
+    def handle_update(self, message: Message, ctx: ClientContext) -> Message:
+        """Cluster / global prompts from the server: kept until the next round."""
+        ctx.state.tensors.update({k: v.clone() for k, v in message.tensors.items() if k.startswith(MODEL)})
+        return Message(kind="ack")
+
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
         ctx.state.tensors.update({k: v for k, v in message.tensors.items() if k.startswith(MODEL)})
         model = self.model
         model.set_state({k: ctx.state.tensors[MODEL + k] for k in model.state_dict()})
@@ -240,15 +244,14 @@ class CaptClient(SupervisedClient):
 # --------------------------------------------------------------------------------------------- server
 
 
-class CaptServer(ServerProgram):
+class CaptServer(FedAvgServer):
     """Algorithm 1's server: two clusterings, cluster-wise averaging, per-client downlink, bandit-timed sync."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # seeds "model_init" and builds the model
         p: CaptParams = self.params
-        seed_everything(self.env.seed, "model_init")
-        self.model: ClipClassifier = self.new_model()
-        self.num_clients = int(self.env.extras["num_clients"])
+        self.model: ClipClassifier
+        self.num_clients = self.env.num_clients
         self.counts = np.zeros((self.num_clients, self.model.num_classes))
         self.known: set[int] = set()  # clients whose label counts the server has
         self.holding: set[int] = set()  # clients that hold prompts in their state
@@ -262,8 +265,12 @@ class CaptServer(ServerProgram):
         self.general = self.model.part_names("general")
         self.cls = self.model.part_names("class")
         self.coupling = self.model.part_names("coupling")
+        # this round: bytes exchanged, whether it ends with a global sync, the updates to send (set by the hooks)
+        self.sent = 0
+        self.sync = False
+        self.updates: dict[int, Message] | None = None
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         """Continual extension: π and the clusterings use the new task's label counts (idempotent on resume)."""
         if task != self.counts_task:
             self.counts[:] = 0
@@ -301,46 +308,61 @@ class CaptServer(ServerProgram):
         return weighted_mean([{k: r.tensors[k] for k in names} for r in replies], self._samples(replies))
 
     # ------------------------------------------------------------------------------------------ round
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+    def before_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Ask every client not yet heard from for its label counts (`prior_source: all_clients`); decide whether
+        this round ends with a global sync (the bandit's period, or every round without clustering)."""
         p: CaptParams = self.params
-        sent = 0
+        self.sent, self.updates = 0, None
         if p.prior_source == "all_clients" and len(self.known) < self.num_clients:
             ask = {c: Message(kind="label_counts") for c in range(self.num_clients) if c not in self.known}
             for c, r in grid.send(ask).items():
                 self.counts[c] = r.tensors["label_counts"].numpy()
                 self.known.add(c)
-            sent += sum(m.nbytes() for m in ask.values())
-        sync = not p.clustering or self.since + 1 >= self.period()
+            self.sent += sum(m.nbytes() for m in ask.values())
+        self.sync = not p.clustering or self.since + 1 >= self.period()
+        return {}
+
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """π and, at a client's first contact, the initial prompts."""
         prior = self.prior()
         msgs = {}
         for c in info.participants:
             tensors = {"prior": prior}
             if c not in self.holding:  # first contact: the initial prompts
                 tensors.update({MODEL + k: v for k, v in self.model.get_state().items()})
-            msgs[c] = Message(tensors, {"upload_coupling": sync}, kind="train")
-        replies = grid.send(msgs)
+            msgs[c] = Message(tensors, {"upload_coupling": self.sync}, kind="train")
+        self.sent += sum(m.nbytes() for m in msgs.values())
+        return msgs
+
+    def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
         self.holding |= set(replies)
-        sent += sum(m.nbytes() for m in msgs.values()) + sum(r.nbytes() for r in replies.values())
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics: dict[str, float] = {"clients": len(usable), "sync": float(sync)}
-        if not usable:
-            return {**metrics, "loss": float("nan")}
-        for c, r in usable.items():
+        self.sent += sum(r.nbytes() for r in replies.values())
+        return {"sync": float(self.sync)}
+
+    def reply_schema(self, message: Message) -> ReplySchema | None:
+        return None  # the generic checks: the prompts travel under MODEL-prefixed names
+
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
+        """The evaluated global model from the participants' means, then each client's update: the global prompts
+        at a sync, else its similarity cluster's class-aware prompts and its heterogeneity cluster's general ones."""
+        p: CaptParams = self.params
+        info = self.round_info
+        metrics: dict[str, float] = {}
+        for c, r in replies.items():
             self.counts[c] = r.tensors["label_counts"].numpy()
             self.known.add(c)
-        ids, rs = list(usable), list(usable.values())
-        metrics.update(round_loss(usable))
-        seed = derive_seed(self.env.seed, "capt", info.task, info.round)
+        ids, rs = list(replies), list(replies.values())
+        seed = derive_seed(self.env.seed, "capt", info.stage, info.round)
 
         # the evaluated global model: participants' means (P_c rows from the clients that hold each class)
         new = self.model.get_state()
         new.update(self._mean(self.general, rs) if self.general else {})
         new.update(self._class_mean(rs, new) if self.cls else {})
-        if sync and self.coupling:
+        if self.sync and self.coupling:
             new.update(self._mean(self.coupling, rs))
         self.model.set_state(new)
 
-        if sync:  # global aggregation, distributed to every client
+        if self.sync:  # global aggregation, distributed to every client
             full = {MODEL + k: v for k, v in new.items()}
             updates = {c: Message(full, kind="update") for c in range(self.num_clients)}
             self.holding = set(range(self.num_clients))
@@ -365,10 +387,18 @@ class CaptServer(ServerProgram):
                     avg = self._mean(self.general, [rs[i] for i in members])
                     for i in members:
                         updates[ids[i]].tensors.update({MODEL + k: v for k, v in avg.items()})
-        grid.send(updates)
-        sent += sum(m.nbytes() for m in updates.values())
-        self._schedule(sync, metrics["loss"], sent, metrics)
+        self.updates = updates
         return metrics
+
+    def after_round(self, grid: Grid, info: RoundInfo, metrics: dict[str, float]) -> dict[str, float]:
+        """Send the updates, then the bandit's bookkeeping (a round nobody trained in sends nothing)."""
+        if self.updates is None:
+            return {}
+        grid.send(self.updates)
+        self.sent += sum(m.nbytes() for m in self.updates.values())
+        out: dict[str, float] = {}
+        self._schedule(self.sync, metrics["loss"], self.sent, out)
+        return out
 
     def _schedule(self, sync: bool, loss: float, sent: int, metrics: dict[str, float]) -> None:
         """Bandit bookkeeping: reward the arm whose period ends with this sync, then pick the next arm."""
@@ -427,4 +457,5 @@ register_method(
     build_model,
     "CLIP general + class-aware prompts, V-L coupling, JS / complementarity client clustering, bandit sync",
     "CAPT (Hou et al., arXiv 2503.06993)",
+    builds_on=("promptfl", "maple_fedavg"),
 )

@@ -1,8 +1,7 @@
 """Server-side client clustering from label distributions (CAPT §3.3, App. D): distances, complementarity,
-pluggable clusterers. K-means (CAPT's clusterer, the default) is implemented here in numpy (`kmeans`: k-means++
-seeding, Lloyd iterations, best of `n_init` restarts, deterministic for a seed), so the core needs no
-scikit-learn; the alternative clusterers of App. D (agglomerative, GMM, spectral) use scikit-learn (in the
-`promptfcl[clip]` extra), imported only when chosen.
+pluggable clusterers: scikit-learn's K-means (CAPT's clusterer, the default: k-means++ seeds, best of 10 restarts,
+seeded) and the alternatives of App. D (agglomerative, GMM, spectral); scikit-learn comes with the
+`promptfcl[clip]` extra every CAPT run installs.
 
 - `pairwise_distance(d, metric)`: (n, n) matrix between clients' normalised label distributions; metrics `js`
   (CAPT Eq. 5, natural log), `kl` (symmetrised ½(KL(p‖q) + KL(q‖p)), smoothed by 1e-12), `wasserstein` (W1
@@ -85,53 +84,6 @@ def complementarity(d: np.ndarray, classes: np.ndarray | list[int] | None = None
     return d.sum(axis=1, keepdims=True) - d @ d.T
 
 
-def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding (Arthur & Vassilvitskii 2007): each next centre drawn with probability ∝ D(x)²."""
-    centres = [x[int(rng.integers(len(x)))]]
-    for _ in range(1, k):
-        d2 = ((x[:, None, :] - np.asarray(centres)[None]) ** 2).sum(axis=2).min(axis=1)
-        total = d2.sum()
-        i = int(rng.choice(len(x), p=d2 / total)) if total > 0 else int(rng.integers(len(x)))
-        centres.append(x[i])
-    return np.asarray(centres, dtype=np.float64)
-
-
-def kmeans(
-    x: np.ndarray, k: int, seed: int = 0, n_init: int = 10, max_iter: int = 300, tol: float = 1e-10
-) -> np.ndarray:
-    """Cluster labels (n,) of the rows of x: Lloyd's K-means from k-means++ seeds, the lowest-inertia result of
-    `n_init` restarts (all drawn from one generator seeded by `seed`: the same input and seed give the same labels).
-    A cluster left empty is re-seeded at the point farthest from its centre."""
-    x = np.asarray(x, dtype=np.float64)
-    n = len(x)
-    k = max(1, min(k, n))
-    rng = np.random.default_rng(seed % 2**32)
-    best, best_inertia = np.zeros(n, dtype=np.int64), np.inf
-    for _ in range(n_init):
-        centres = _kmeans_pp(x, k, rng)
-        for _ in range(max_iter):
-            d2 = ((x[:, None, :] - centres[None]) ** 2).sum(axis=2)
-            labels = d2.argmin(axis=1)
-            new = centres.copy()
-            for j in range(k):
-                members = labels == j
-                if members.any():
-                    new[j] = x[members].mean(axis=0)
-                else:  # empty: take the point worst served by its centre
-                    far = int(d2[np.arange(n), labels].argmax())
-                    new[j], labels[far] = x[far], j
-            shift = float(((new - centres) ** 2).sum())
-            centres = new
-            if shift <= tol:
-                break
-        d2 = ((x[:, None, :] - centres[None]) ** 2).sum(axis=2)
-        labels = d2.argmin(axis=1)
-        inertia = float(d2[np.arange(n), labels].sum())
-        if inertia < best_inertia - 1e-12:
-            best, best_inertia = labels, inertia
-    return best.astype(np.int64)
-
-
 def cluster_rows(m: np.ndarray, k: int, method: Clusterer = "kmeans", seed: int = 0) -> np.ndarray:
     """Cluster labels (n,) of the rows of m into at most k clusters, relabelled by first appearance."""
     m = np.asarray(m, dtype=np.float64)
@@ -145,7 +97,9 @@ def cluster_rows(m: np.ndarray, k: int, method: Clusterer = "kmeans", seed: int 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if method == "kmeans":
-            labels = kmeans(m, k, seed)
+            from sklearn.cluster import KMeans
+
+            labels = KMeans(n_clusters=k, n_init=10, random_state=rs).fit_predict(m)
         elif method == "agglomerative":
             from sklearn.cluster import AgglomerativeClustering
 

@@ -31,10 +31,10 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from promptfcl.federation.protocol import MethodEnv
-from promptfcl.methods.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
-from promptfcl.methods.fedavg_ft import FineTunedClassifier
-from promptfcl.methods.fedavg_prompt import build_model as prompt_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
+from promptfcl.methods.base.finetune import FineTunedClassifier
+from promptfcl.methods.base.prompt_models import build_prefix_model as prompt_model
 from promptfcl.statistics.mixture import ClassWeights
 from promptfcl.training.head_calibration import CalibrationParams
 

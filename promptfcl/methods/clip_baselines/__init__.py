@@ -28,8 +28,8 @@ from pydantic import Field
 
 from promptfcl.clip_model import ClipClassifier, ClipPromptParams
 from promptfcl.federation.protocol import Grid, MethodEnv, RoundInfo
-from promptfcl.methods.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
 
 
 class ClipFedAvgParams(FedAvgParams, ClipPromptParams):
@@ -75,7 +75,7 @@ def build_clip_model(env: MethodEnv, p: ClipPromptParams) -> ClipClassifier:
     if not isinstance(env.backbone, FrozenCLIP):
         raise ValueError("CLIP methods need a CLIP backbone: set backbone.kind: clip (and an open_clip backbone.name)")
     prompt = ClipPromptParams(**{k: getattr(p, k) for k in ClipPromptParams.model_fields})
-    return ClipClassifier(env.backbone, env.extras["class_names"], prompt)
+    return ClipClassifier(env.backbone, env.class_names, prompt)
 
 
 class ZeroShotServer(FedAvgServer):

@@ -63,9 +63,9 @@ from torch import nn
 
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
-from promptfcl.methods.pool_baselines import CodaParams, build_codap
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import CodaParams, build_codap
 from promptfcl.model import PromptedClassifier
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.training.local import LossFn
@@ -120,7 +120,7 @@ class FedCPromptClient(SupervisedClient):
         self._reach: list[tuple[float, float]] = []  # per-step mean ‖a − p‖ and ‖a‖ (how far C2L lets a move)
 
     def pool_task(self, ctx: ClientContext) -> int:
-        return sequence_position(self.env, ctx.task, ctx.client_id)
+        return sequence_position(self.env, ctx.stage, ctx.client_id)
 
     def loaded(self, slot: str, state: dict[str, torch.Tensor], task: int) -> nn.Module:
         model = getattr(self, slot) or self.new_model()

@@ -14,9 +14,9 @@ from torch import nn
 
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, RoundInfo
-from promptfcl.methods.fedavg import PreviousTaskServer, SupervisedClient
-from promptfcl.methods.hepco import WeightedPoolParams, build_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import PreviousTaskServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import WeightedPoolParams, build_weighted_pool
 from promptfcl.training.local import LossFn
 from promptfcl.training.regularizers import lwf_mc_loss
 
@@ -32,8 +32,8 @@ class LwFMCClient(SupervisedClient):
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         space = self.env.label_space
-        old = space.tasks[ctx.task].logits[0]
-        seen = space.seen_logits(ctx.task)
+        old = space.tasks[ctx.stage].logits[0]
+        seen = space.seen_logits(ctx.stage)
         prev = None
         if any(k.startswith(PREV) for k in message.tensors):
             if self._prev is None:
@@ -66,7 +66,7 @@ register_method(
     WeightedPoolParams,
     LwFMCServer,
     LwFMCClient,
-    build_model,
+    build_weighted_pool,
     "weighted prompt pool + head trained with LwF.MC distillation from the previous-task model, FedAvg",
     "LwF.MC (CVPR 2017) as in HePCo's baselines",
 )

@@ -65,7 +65,7 @@ the code's `fed_avg`).
   chosen by key, not class-indexed prefixes, so `fusion` does not apply here.
 - `local_only: true` — a control, not a paper row: no tensor is uploaded or broadcast, each client trains
   its prompts and heads alone (with `global_prompt: true` its global prompts are never fused), so KR_s is 100 by
-  construction. Before issue 17 this was what `global_prompt: false` ran; `global_prompt: false` +
+  construction. Before release 0.1.0 this was what `global_prompt: false` ran; `global_prompt: false` +
   `local_only: true` reproduces it.
 
 Deviations (all methods.md §3.9 bugs not reproduced): every client builds its own model from its own state (no
@@ -85,7 +85,7 @@ computes it once per image variant instead of every epoch, and a new round's pro
 from __future__ import annotations
 
 import copy
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -97,10 +97,18 @@ from promptfcl.data.loader import LabeledSubset
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
 from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, ClientProgram, Grid, MethodEnv, RoundInfo, ServerProgram
-from promptfcl.methods.fedavg import round_loss
-from promptfcl.methods.fedavg_prompt import check_layers
-from promptfcl.methods.fedmgp_model import (
+from promptfcl.federation.protocol import (
+    ClientContext,
+    ClientProgram,
+    MethodEnv,
+    RoundInfo,
+    handles,
+)
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import RoundServer
+from promptfcl.methods.base.prompt_models import check_layers
+from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.model import (
     GLOBAL_HEAD,
     GLOBAL_POOL,
     LOCAL_POOL,
@@ -112,11 +120,10 @@ from promptfcl.methods.fedmgp_model import (
     key_hits,
     subset_state,
 )
-from promptfcl.methods.registry import register_method
-from promptfcl.prompts.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.signals import check_key_hit
 from promptfcl.prompts.l2p import L2PPool
 from promptfcl.scenario.label_space import masked_logits
-from promptfcl.seeding import numpy_rng, seed_everything, torch_generator
+from promptfcl.seeding import numpy_rng, torch_generator
 from promptfcl.training.local import LocalTrainingParams, make_optimizer, train_local
 
 
@@ -207,7 +214,6 @@ def _ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 class FedMGPClient(ClientProgram):
     """One round = phase 1 (global prompts + H_g) then phase 2 (local prompts + the task's local head)."""
 
-    message_kinds: ClassVar[tuple[str, ...]] = ("train", "evaluate")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -227,7 +233,7 @@ class FedMGPClient(ClientProgram):
                      if k.startswith("fused_head.")})  # fmt: skip
         model.load_state_dict(sent, strict=False)
         if model.global_pool is not None:
-            model.global_pool.set_task(ctx.task)
+            model.global_pool.set_task(ctx.stage)
         model.vx_cache = self.vx_cache
         return model.to(ctx.device)
 
@@ -237,7 +243,7 @@ class FedMGPClient(ClientProgram):
         if self.params.local_select == "task":
             return space.mask(space.tasks[task].logits)
         if self.params.local_select == "seen":
-            return space.seen_mask(max(task, ctx.task))
+            return space.seen_mask(max(task, ctx.stage))
         return None
 
     def predict(self, model: MGPModel, ctx: ClientContext) -> Predict:
@@ -252,16 +258,19 @@ class FedMGPClient(ClientProgram):
 
         return local
 
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind not in self.message_kinds:
-            raise ValueError(f"FedMGP clients cannot handle message kind {message.kind!r}")
+    @handles("evaluate")
+    def handle_evaluate(self, message: Message, ctx: ClientContext) -> Message:
         model = self._model(message, ctx)
         model.eval()
-        if message.kind == "evaluate":
-            batch = int(message.scalars.get("batch_size", 256))
-            return evaluate_reply(self.predict(model, ctx), ctx, self.env, message, self.diagnostics(model, ctx, batch))
+        batch = int(message.scalars.get("batch_size", 256))
+        return evaluate_reply(self.predict(model, ctx), ctx, self.env, message, self.diagnostics(model, ctx, batch))
+
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
+        model = self._model(message, ctx)
+        model.eval()
         p, space = self.params, ctx.space(self.env)
-        mask = space.train_mask(ctx.task, "current_task")
+        mask = space.train_mask(ctx.stage, "current_task")
         tf = self.env.train_transform(p.augment)
         losses, final = [], {}
         if len(ctx.train_data) and model.global_pool is not None:  # phase 1: coarse global prompts + H_g
@@ -275,11 +284,11 @@ class FedMGPClient(ClientProgram):
             losses.append(stats["loss"])
             final = stats
         if len(ctx.train_data) and model.local_pool is not None:  # phase 2: fine local prompts, global frozen
-            self._trainable(model, ["local_pool", f"local_heads.{ctx.task}."])
+            self._trainable(model, ["local_pool", f"local_heads.{ctx.stage}."])
             pull = p.local_pull_coef > 0
 
             def local_loss(m: MGPModel, x: torch.Tensor, y: torch.Tensor, mk: torch.Tensor) -> torch.Tensor:
-                logits = m.local_logits(x, ctx.task, labels=y, pull=pull)
+                logits = m.local_logits(x, ctx.stage, labels=y, pull=pull)
                 return _ce(logits, y, mk) + p.local_pull_coef * m.local_aux
 
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "local"), ctx.device,
@@ -297,7 +306,7 @@ class FedMGPClient(ClientProgram):
             "num_samples": len(ctx.train_data),
             **{k: final[k] for k in ("last_loss", "chance_loss") if k in final},
             "loss": sum(losses) / len(losses) if losses else 0.0,
-            "classes": list(space.tasks[ctx.task].classes),
+            "classes": list(space.tasks[ctx.stage].classes),
         }
         return Message(upload, scalars, kind="train_reply")
 
@@ -311,8 +320,8 @@ class FedMGPClient(ClientProgram):
         if model.local_pool is None or ctx.local_test is None:
             return {}
         p, hits, n = self.params, 0, 0
-        allowed = self.local_candidates(ctx, ctx.task)
-        for x, y in ctx.local_test(ctx.task).batches(batch_size, self.env.eval_transform, device=ctx.device):
+        allowed = self.local_candidates(ctx, ctx.stage)
+        for x, y in ctx.local_test(ctx.stage).batches(batch_size, self.env.eval_transform, device=ctx.device):
             ids = model.local_pool.select(model.local_query(x), allowed, p.local_top_k, p.local_batchwise)
             hits += key_hits(ids, y)
             n += len(y)
@@ -336,16 +345,15 @@ class FedMGPClient(ClientProgram):
             q.requires_grad_(any(name.startswith(pre) for pre in prefixes))
 
 
-class FedMGPServer(ServerProgram):
+class FedMGPServer(RoundServer):
     """Broadcasts the fused global pool; fuses the clients' pools by distillation (or FedAvg) on proxy data."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        seed_everything(self.env.seed, "model_init")
-        self.model: MGPModel = self.new_model()
+        super().__init__(*args, **kwargs)  # seeds "model_init" and builds the model
+        self.model: MGPModel
         self.has_fused_head = False
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         if self.model.global_pool is not None:
             self.model.global_pool.start_task(task)
 
@@ -361,15 +369,16 @@ class FedMGPServer(ServerProgram):
     def evaluate_message(self) -> Message:
         return Message(self.shared(), kind="evaluate")
 
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        replies = grid.broadcast(info.participants, Message(self.shared(), kind="train"))
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics: dict[str, float] = {**round_loss(usable), "clients": len(usable)}
-        if usable and self.params.shared() == (GLOBAL_POOL,):
-            metrics.update(self.fuse(usable, info))
-        elif usable and self.params.shared() == (LOCAL_POOL,):
-            metrics.update(self.share_local(usable))
-        return metrics
+    def downlink(self, info: RoundInfo) -> Message:
+        return Message(self.shared(), kind="train")
+
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
+        """Fuse the clients' global pools (FedMGP), or average their local pools per class (w/o global)."""
+        if self.params.shared() == (GLOBAL_POOL,):
+            return self.fuse(replies, self.round_info)
+        if self.params.shared() == (LOCAL_POOL,):
+            return self.share_local(replies)
+        return {}
 
     def share_local(self, replies: dict[int, Message]) -> dict[str, float]:
         """W/o global prompt (§5.3): each class's local prompt and key averaged over the clients whose current
@@ -386,7 +395,7 @@ class FedMGPServer(ServerProgram):
     # ---------------------------------------------------------------------------- selective fusion
     def proxy(self, classes: set[int]) -> LabeledSubset:
         """The server's proxy images of `classes`: `proxy_per_class` fixed images per class of the test split."""
-        split = self.env.extras.get("server_split")
+        split = self.env.server_split
         if split is None:
             raise ValueError("FedMGP's server needs proxy data no client holds: use scenario.kind: personalized")
         targets = split.targets.numpy()
@@ -436,7 +445,7 @@ class FedMGPServer(ServerProgram):
             classes = {c for k in chosen for c in replies[k].scalars["classes"]}
             proxy = self.proxy(classes)
             student, teachers = self._pool(states[0]), [self._pool(s) for s in states[1:]]
-            gen = torch_generator(env.seed, "fedmgp", info.task, info.round)
+            gen = torch_generator(env.seed, "fedmgp", info.stage, info.round)
             losses = distill_pool(student, teachers, env.backbone, proxy, env.eval_transform, p.fusion_epochs,
                                   p.batch_size, p.lr, p.weight_decay, gen, env.device)  # fmt: skip
             self.model.global_pool.load_state_dict(student.state_dict())
@@ -456,7 +465,7 @@ class FedMGPServer(ServerProgram):
         mask = env.label_space.mask([int(env.label_space.class_to_logit[c]) for c in classes])
         stats = train_local(
             model, self.proxy(classes), p.model_copy(update={"local_epochs": p.fusion_epochs}), mask,
-            env.eval_transform, torch_generator(env.seed, "fedmgp_head", info.task, info.round), env.device,
+            env.eval_transform, torch_generator(env.seed, "fedmgp_head", info.stage, info.round), env.device,
             lambda m, x, y, mk: _ce(m(x), y, mk),
         )  # fmt: skip
         for q in model.parameters():
@@ -489,4 +498,5 @@ register_method(
     "per-task heads kept on each client (personalized FCL)",
     "FedMGP (KDD 2024)",
     scenario_kinds=("personalized",),
+    signals=(check_key_hit,),
 )

@@ -20,7 +20,7 @@ from promptfcl.backbones.query_cache import QueryCache, state_version
 from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import ImageTransform
-from promptfcl.prompts.class_prefix import ClassPrefixPool
+from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
 from promptfcl.prompts.l2p import L2PPool
 
 HeadKind = Literal["mlp", "linear"]

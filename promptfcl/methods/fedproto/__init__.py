@@ -38,9 +38,9 @@ from torch import nn
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
 from promptfcl.federation.validation import TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
-from promptfcl.methods.fedavg_prompt import FedAvgPromptParams, build_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import FedAvgPromptParams, build_prefix_model
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
 from promptfcl.statistics.class_stats import extract_features, statistics_schema
@@ -104,7 +104,7 @@ class FedProtoClient(SupervisedClient):
             p = self.params.privacy
             if p.enabled:  # (ε, δ)-DP prototypes of every class of the task (statistics.privacy)
                 feats, ys = extract_features(model.features, ctx.train_data, self.env.eval_transform, ctx.device)
-                classes = self.env.label_space.tasks[ctx.task].logits
+                classes = self.env.label_space.tasks[ctx.stage].logits
                 st = private_class_statistics(feats, ys, classes, "none", 1, p, noise_generator(p, ctx.seed))
             else:
                 st = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
@@ -126,7 +126,7 @@ class FedProtoServer(FedAvgServer):
         return [statistics_schema(self.env.label_space.num_logits, self.env.backbone.embed_dim, "none")]
 
     def downlink(self, info: RoundInfo) -> Message:
-        current = torch.tensor(self.env.label_space.tasks[info.task].logits)
+        current = torch.tensor(self.env.label_space.tasks[info.stage].logits)
         current = current[self.known[current]]  # the current task's prototypes, once they exist
         self.sent_protos = len(current)
         return Message(
@@ -160,7 +160,7 @@ register_method(
     FedProtoParams,
     FedProtoServer,
     FedProtoClient,
-    build_model,
+    build_prefix_model,
     "FedAvg'd prefix prompt + head with prototype regularisation and nearest-prototype inference",
     "FedProto (Tan et al., AAAI 2022)",
 )

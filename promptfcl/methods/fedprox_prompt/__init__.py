@@ -13,9 +13,9 @@ from torch import nn
 
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient
-from promptfcl.methods.hepco import WeightedPoolParams, build_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import WeightedPoolParams, build_weighted_pool
 from promptfcl.training.local import LossFn, masked_cross_entropy
 from promptfcl.training.regularizers import proximal_term
 
@@ -44,7 +44,7 @@ register_method(
     FedProxParams,
     FedAvgServer,
     FedProxClient,
-    build_model,
+    build_weighted_pool,
     "weighted prompt pool + head with the FedProx proximal term, uniform average",
     "FedProx (MLSys 2020) as in HePCo's code",
 )

@@ -72,34 +72,23 @@ from pydantic import Field
 from torch import nn
 
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, Grid, RoundInfo
 from promptfcl.federation.validation import TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, PreviousTaskServer, SupervisedClient
-from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
-from promptfcl.methods.registry import register_method
-from promptfcl.model import PromptedClassifier
-from promptfcl.prompts.weighted_pool import WeightedPool
-from promptfcl.seeding import seed_everything, torch_generator
-from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_counts
-from promptfcl.training.latent_generator import (
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import PreviousTaskServer, SupervisedClient
+from promptfcl.methods.base.prompt_models import WeightedPoolParams, build_weighted_pool
+from promptfcl.methods.hepco.latent_generator import (
     LatentGenerator,
     Teacher,
     backward_sum,
     sample_labels,
     train_generator,
 )
-from promptfcl.training.teacher_store import StoreKind, TeacherStore
-
-
-class WeightedPoolParams(PoolTrainingParams):
-    """HePCo's decomposed prompt on the shared pool-training protocol (the FedAvg-Prompt baseline's settings)."""
-
-    pool_size: int = Field(100, gt=0)
-    length: int = Field(20, gt=0, description="prompt tokens per component: half keys, half values")
-    layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
-    detach_query: bool = Field(
-        False, description="code: the pool detaches its query, so the generator's prompt-MSE term has no gradient"
-    )
+from promptfcl.methods.hepco.signals import check_generator_fidelity, check_stage_a
+from promptfcl.methods.hepco.teacher_store import StoreKind, TeacherStore
+from promptfcl.model import PromptedClassifier
+from promptfcl.seeding import seed_everything, torch_generator
+from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_counts
 
 
 class HePCoParams(WeightedPoolParams):
@@ -129,11 +118,6 @@ class HePCoParams(WeightedPoolParams):
     )
 
 
-def build_model(env: MethodEnv, p: WeightedPoolParams) -> PromptedClassifier:
-    pool = WeightedPool(env.backbone.embed_dim, p.layers, p.pool_size, p.length, detach_query=p.detach_query)
-    return pooled_model(env, p, pool)
-
-
 def prompt_output(model: PromptedClassifier, z: torch.Tensor) -> torch.Tensor:
     """ρ(z): every prefix key/value the model's pool produces with `z` as the query, flattened per sample."""
     spec = model.prompt(len(z), F.normalize(z, dim=1))
@@ -154,8 +138,8 @@ def latent_fidelity(
     label they were generated for (1.0: the generator found each class's region; chance: it learned nothing).
     Drawn from its own generators and with the global RNG restored, so logging it leaves the run unchanged."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(info.task * 1000 + info.round)
-        y = sample_labels(histogram, 256, torch.Generator().manual_seed(info.task * 1000 + info.round))
+        torch.manual_seed(info.stage * 1000 + info.round)
+        y = sample_labels(histogram, 256, torch.Generator().manual_seed(info.stage * 1000 + info.round))
         y = y.to(allowed.device)
         z = generator(y)
         probs = sum(
@@ -281,8 +265,8 @@ class HePCoServer(PreviousTaskServer):
     def consolidate(self, replies: dict[int, Message], counts: torch.Tensor, info: RoundInfo) -> dict[str, float]:
         """§4.2–4.3 in order: generators for the new and the old classes, then latent distillation (A, B)."""
         p = self.params
-        seed_everything(self.env.seed, "hepco", info.task, info.round)
-        gen = torch_generator(self.env.seed, "hepco-labels", info.task, info.round)
+        seed_everything(self.env.seed, "hepco", info.stage, info.round)
+        gen = torch_generator(self.env.seed, "hepco-labels", info.stage, info.round)
         teachers = self.teachers(replies, counts)
         latents, metrics = self.train_generators(teachers, counts.sum(0).double(), info, gen)
         if p.distill_prompts:
@@ -290,7 +274,7 @@ class HePCoServer(PreviousTaskServer):
             losses = self.distill_prompts(latents, teachers)
             metrics.update(self.stage_a_metrics(before, losses))
         if p.distill_head:
-            metrics["head_kd_loss"] = self.distill_head(latents, self.env.label_space.seen_logits(info.task))
+            metrics["head_kd_loss"] = self.distill_head(latents, self.env.label_space.seen_logits(info.stage))
         return metrics
 
     def student_prompts(self, z: torch.Tensor) -> torch.Tensor:
@@ -303,7 +287,7 @@ class HePCoServer(PreviousTaskServer):
         (when there is one and earlier classes were seen). Logs how often the teachers classify the latents as
         their conditioning label (`*generator_fidelity`)."""
         p, space, dev = self.params, self.env.label_space, self.env.device
-        seen = space.mask(range(space.seen_logits(info.task))).to(dev)
+        seen = space.mask(range(space.seen_logits(info.stage))).to(dev)
         student = self.model
         g_new = LatentGenerator(space.num_logits, self.env.backbone.embed_dim).to(dev)
         losses = train_generator(
@@ -316,15 +300,15 @@ class HePCoServer(PreviousTaskServer):
         }
         latents = LatentBatches(g_new, hist_new, p.kd_batch_size, gen, dev)
         old = self.cumulative.clone()
-        old[space.tasks[info.task].logits[0] :] = 0
-        if self.prev is not None and info.task > 0 and old.sum() > 0:
+        old[space.tasks[info.stage].logits[0] :] = 0
+        if self.prev is not None and info.stage > 0 and old.sum() > 0:
             prev = self.prev
             prev.requires_grad_(False)
             prev_teacher = Teacher(prev.head, lambda z: prompt_output(prev, z), torch.ones(space.num_logits))
             g_old = LatentGenerator(space.num_logits, self.env.backbone.embed_dim).to(dev)
             train_generator(
                 g_old, [prev_teacher], student.head, self.student_prompts, old.double(), seen,
-                p.generator_iterations + p.generator_extra_per_task * info.task, p.kd_batch_size,
+                p.generator_iterations + p.generator_extra_per_task * info.stage, p.kd_batch_size,
                 p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
             )  # fmt: skip
             metrics["old_generator_fidelity"] = latent_fidelity(g_old, [prev_teacher], old.double(), seen, info)
@@ -398,16 +382,8 @@ register_method(
     HePCoParams,
     HePCoServer,
     LabelCountingClient,
-    build_model,
+    build_weighted_pool,
     "weighted prompt pool; server consolidates with latent generators and two-stage data-free distillation",
     "HePCo (Halbe et al., TMLR 2024)",
-)
-register_method(
-    "fedavg_prompt_pool",
-    WeightedPoolParams,
-    FedAvgServer,
-    SupervisedClient,
-    build_model,
-    "HePCo's FedAvg-Prompt: weighted prompt pool + head, uniform average, no server distillation",
-    "HePCo (TMLR 2024) baseline",
+    signals=(check_generator_fidelity, check_stage_a),
 )

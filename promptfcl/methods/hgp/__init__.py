@@ -44,9 +44,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from promptfcl.methods.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
-from promptfcl.methods.fedavg_prompt import build_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
+from promptfcl.methods.base.prompt_models import build_prefix_model
 from promptfcl.training.head_calibration import CalibrationParams
 
 
@@ -83,7 +83,7 @@ register_method(
     HGPParams,
     HGPServer,
     ClassGaussianClient,
-    build_model,
+    build_prefix_model,
     "shared prefix prompt + head; server rebalances the head on features sampled from client Gaussian mixtures",
     "HGP (Salami et al., 2025)",
 )

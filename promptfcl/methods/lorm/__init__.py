@@ -44,7 +44,7 @@ not part of it until the task ends [I] (the code evaluates a running-mean "fille
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -52,15 +52,16 @@ from torch import nn
 
 from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
 from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta
-from promptfcl.federation.aggregation import project_gram, regmean, regularize_gram, weighted_mean
+from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import RoundServer, SupervisedClient, loss_scalars
+from promptfcl.methods.lorm.gram import input_grams
+from promptfcl.methods.lorm.regmean import project_gram, regmean, regularize_gram
 from promptfcl.model import PromptedClassifier
 from promptfcl.seeding import torch_generator
-from promptfcl.statistics.gram import input_grams
 from promptfcl.training.local import LocalTrainingParams
 
 GRAM = "gram/"
@@ -120,15 +121,17 @@ def old_factor_tensors(past: list[dict[str, dict[str, torch.Tensor]]]) -> dict[s
 class LoRMClient(SupervisedClient):
     """Trains the round's factor and the head, then uploads them with the Gram matrices of its data."""
 
-    message_kinds: ClassVar[tuple[str, ...]] = ("train", "gram")
-
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
+    @handles("gram")
+    def handle_gram(self, message: Message, ctx: ClientContext) -> Message:
+        """End of task: the Gram matrices of the task's data through the received model."""
         model = self.model
         model.set_state({k: message.tensors[k] for k in model.state_dict()})
-        if message.kind == "gram":
-            return Message(self.grams(model, message, ctx), {"num_samples": len(ctx.train_data)}, kind="gram_reply")
-        if message.kind != "train":
-            raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
+        return Message(self.grams(model, message, ctx), {"num_samples": len(ctx.train_data)}, kind="gram_reply")
+
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
+        model = self.model
+        model.set_state({k: message.tensors[k] for k in model.state_dict()})
         factor = str(message.scalars["factor"])
         model.prompt.set_trainable(factor)
         stats = self.train(model, ctx, message)
@@ -152,8 +155,8 @@ class LoRMClient(SupervisedClient):
                 out[GRAM + site_key(s)] = torch.zeros((n,) if diagonal else (n, n), dtype=dtype)
             return {**out, GRAM + "head": torch.zeros(d, d, dtype=dtype)}
         spec = model.prompt()
-        if p.gram_model == "running_mean" and ctx.task > 0:  # the code's "filler": mean of all tasks' deltas
-            t = ctx.task
+        if p.gram_model == "running_mean" and ctx.stage > 0:  # the code's "filler": mean of all tasks' deltas
+            t = ctx.stage
             deltas = {}
             for s in sites:
                 k, cur = site_key(s), model.prompt.deltas()[s]
@@ -175,7 +178,7 @@ class LoRMClient(SupervisedClient):
         return out
 
 
-class LoRMServer(FedAvgServer):
+class LoRMServer(RoundServer):
     """Alternating closed-form merges across clients; RegMean of the tasks' residual weights across tasks."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -190,7 +193,7 @@ class LoRMServer(FedAvgServer):
     def adapter(self) -> LoRAAdapter:
         return self.model.prompt
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         if task != self.task_started:  # idempotent on resume: the module of a started task is kept
             self.adapter.reset(torch_generator(self.env.seed, "lorm", "init", task))
             self.task_started = task
@@ -201,16 +204,14 @@ class LoRMServer(FedAvgServer):
             tensors.update(old_factor_tensors(self.past))
         return Message(tensors, {"factor": trained_factor(self.params, info.round)}, kind="train")
 
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        self.round_info = info
-        replies = grid.broadcast(info.participants, self.downlink(info))
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics = {**round_loss(usable), "clients": len(usable)}
-        if usable:
-            self.merge_clients(usable, trained_factor(self.params, info.round))
-        if info.round == int(self.env.extras.get("rounds_per_task", 1)) - 1:
-            metrics.update(self.merge_task(grid, info))
-        return metrics
+    def aggregate(self, replies: dict[int, Message]) -> None:
+        self.merge_clients(replies, trained_factor(self.params, self.round_info.round))
+
+    def after_round(self, grid: Grid, info: RoundInfo, metrics: dict[str, float]) -> dict[str, float]:
+        """After the task's last round: the Gram exchange and the across-task merge."""
+        if info.round == self.env.rounds_per_task - 1:
+            return self.merge_task(grid, info)
+        return {}
 
     def merge_clients(self, replies: dict[int, Message], factor: str) -> None:
         """Step 4: the trained factor and the head weight by closed form, the head bias by FedAvg."""

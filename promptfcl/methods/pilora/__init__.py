@@ -41,20 +41,21 @@ and the class means (`stats/`, with counts) — nothing of future tasks.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from promptfcl.adapters.incremental import IncrementalQVLoRA
-from promptfcl.federation.aggregation import prototype_reweight, weighted_mean
+from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo, handles
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import RoundServer, SupervisedClient, loss_scalars
+from promptfcl.methods.pilora.incremental_lora import IncrementalQVLoRA
+from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
 from promptfcl.seeding import torch_generator
@@ -145,19 +146,16 @@ def seen_tensors(model: PrototypeLoRAClassifier, task: int) -> list[str]:
 class PILoRAClient(SupervisedClient):
     """Trains task t's LoRA and prototypes (DCE + PL + orthogonality + L1); uploads them with class means."""
 
-    message_kinds: ClassVar[tuple[str, ...]] = ("train",)
-
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind != "train":
-            raise ValueError(f"{type(self).__name__} cannot handle message kind {message.kind!r}")
+    @handles("train")
+    def handle_train(self, message: Message, ctx: ClientContext) -> Message:
         model = self.model
         state = model.state_dict()
         with torch.no_grad():
-            for k in seen_tensors(model, ctx.task):  # only the seen tasks travel; later tasks are never used
+            for k in seen_tensors(model, ctx.stage):  # only the seen tasks travel; later tasks are never used
                 state[k].copy_(message.tensors[k])
-        model.set_task(ctx.task)
+        model.set_task(ctx.stage)
         stats = self.train(model, ctx, message)
-        out = {k: v.detach().clone() for k, v in model.state_dict().items() if k in model.task_tensors(ctx.task)}
+        out = {k: v.detach().clone() for k, v in model.state_dict().items() if k in model.task_tensors(ctx.stage)}
         if len(ctx.train_data):
             means = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
             out.update(means.to_tensors())
@@ -196,7 +194,7 @@ class PILoRAClient(SupervisedClient):
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
         factor = 1.0
-        rounds = int(self.env.extras.get("rounds_per_task", 1))
+        rounds = self.env.rounds_per_task
         if p.round_lr_schedule == "cosine":  # official: lr·½(1 + cos(π·round / rounds)) within each task
             factor = 0.5 * (1 + math.cos(math.pi * ctx.round / rounds))
         lora = [q for q in model.prompt.parameters() if q.requires_grad]
@@ -216,28 +214,23 @@ class PILoRAClient(SupervisedClient):
         )
 
 
-class PILoRAServer(FedAvgServer):
+class PILoRAServer(RoundServer):
     """FedAvg of the current task's LoRA; per-class prototype re-weighting; nearest-prototype evaluation."""
 
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         self.model.set_task(task)
 
     def downlink(self, info: RoundInfo) -> Message:
         state = self.model.state_dict()
-        return Message({k: state[k].detach().clone() for k in seen_tensors(self.model, info.task)}, kind="train")
+        return Message({k: state[k].detach().clone() for k in seen_tensors(self.model, info.stage)}, kind="train")
 
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        self.round_info = info
-        replies = grid.broadcast(info.participants, self.downlink(info))
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics = {**round_loss(usable), "clients": len(usable)}
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
+        metrics = {}
         for part in ("dce", "ort"):  # the loss terms (the total also holds the L1 term)
-            values = [r.scalars[part] for r in usable.values() if isinstance(r.scalars.get(part), float)]
+            values = [r.scalars[part] for r in replies.values() if isinstance(r.scalars.get(part), float)]
             if values:
                 metrics[f"loss_{part}"] = sum(values) / len(values)
-        if usable:
-            metrics.update(self.aggregate_task(usable, info.task))
-        return metrics
+        return {**metrics, **self.aggregate_task(replies, self.round_info.stage)}
 
     def aggregate_task(self, replies: dict[int, Message], task: int) -> dict[str, float]:
         state = self.model.get_state()

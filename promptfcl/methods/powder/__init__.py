@@ -73,14 +73,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from promptfcl.federation.message import Message, Record
-from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo
+from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
 from promptfcl.federation.validation import ReplySchema, TensorSpec
-from promptfcl.methods.fedavg import FedAvgServer, SupervisedClient, loss_scalars, round_loss
-from promptfcl.methods.pool_baselines import PoolTrainingParams, pooled_model
-from promptfcl.methods.registry import register_method
+from promptfcl.methods.base import register_method
+from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient, loss_scalars
+from promptfcl.methods.base.prompt_models import PoolTrainingParams, pooled_model
+from promptfcl.methods.powder.generated import PARTS, GeneratedTaskPrompt
 from promptfcl.model import PromptedClassifier
 from promptfcl.prompts.codap import attention_weights
-from promptfcl.prompts.generated import PARTS, GeneratedTaskPrompt
 from promptfcl.prompts.pools import gram_schmidt_
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import derive_seed
@@ -215,21 +215,15 @@ def not_true_distillation(
 class PowderClient(SupervisedClient):
     """Prompt-choosing signature (round 0 of a stage); CE + not-true distillation on the generated prompt."""
 
-    message_kinds = ("train", "signature")
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._received: nn.Module | None = None  # a working copy, reloaded from every train message
-
-    def handle(self, message: Message, ctx: ClientContext) -> Message:
-        if message.kind == "signature":
-            return self.signature(message, ctx)
-        return super().handle(message, ctx)
 
     def slots(self, ctx: ClientContext) -> torch.Tensor:
         return torch.tensor(ctx.space(self.env).tasks[ctx.label_task].logits, dtype=torch.long)
 
     @torch.no_grad()
+    @handles("signature")
     def signature(self, message: Message, ctx: ClientContext) -> Message:
         """Per class of the task: mean α of q(x) over the components of every trained task's generated block."""
         keys = message.tensors["powder/keys"].to(ctx.device)  # (tasks, layers, N, d)
@@ -313,9 +307,13 @@ class PowderServer(FedAvgServer):
         self.signatures: dict[int, Signature] = {}  # label task → its prompt-choosing signature
         self.class_signatures: dict[int, Signature] = {}  # logit → its class signature
         self._global: PromptedClassifier | None = None
+        # this round's participants' label tasks and the base's downlink extras (set by `before_round`)
+        self.labels: dict[int, int] = {}
+        self.extras: dict[int, dict[str, torch.Tensor]] = {}
+        self.extra_scalars: dict[str, object] = {}
 
     # -------------------------------------------------------------------- blocks and generation
-    def begin_task(self, task: int) -> None:
+    def begin_stage(self, task: int) -> None:
         for g in sorted(set(self.env.schedule[task])):  # type: ignore[index]
             if not self.drawn[g]:
                 self.draw(g)
@@ -352,34 +350,35 @@ class PowderServer(FedAvgServer):
         return m.to(self.env.device).eval()
 
     # -------------------------------------------------------------------- the round
-    def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
-        self.round_info = info
-        labels = {k: self.env.label_task(info.task, k) for k in info.participants}
-        for g in labels.values():
+    def before_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
+        """Mark the participants' tasks trained; at round 0 correlate them; the base's extras for the downlink."""
+        self.labels = {k: self.env.label_task(info.stage, k) for k in info.participants}
+        for g in self.labels.values():
             self.trained[g] = True
-        metrics: dict[str, float] = {}
-        if info.round == 0:
-            metrics.update(self.correlate(grid, info))
-        extras, scalars = self.round_extras(grid, info, labels, metrics)
-        ntd = not (info.task == 0 and info.round == 0)
-        msgs = {}
-        served = {g: self.task_state(g) for g in sorted(set(labels.values()))}  # one per task, not per client
-        for k, g in labels.items():
-            own = {"powder/ntd_class_weight": self.class_weight[list(self.env.label_space.tasks[g].logits)].clone()}
-            msgs[k] = Message({**served[g], **own, **extras.get(k, {})}, {"ntd": ntd, **scalars}, kind="train")
-        replies = grid.send(msgs)
-        usable = {c: replies[c] for c in sorted(replies) if replies[c].scalars.get("num_samples", 0) > 0}
-        metrics.update({**self.reply_metrics(replies), **round_loss(usable), "clients": len(usable)})
-        if usable:
-            metrics.update(self.absorb(usable, labels))
+        metrics = self.correlate(grid, info) if info.round == 0 else {}
+        self.extras, self.extra_scalars = self.round_extras(grid, info)
         return metrics
+
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """Each participant gets its task's generated prompt and head (one per task, not per client)."""
+        ntd = not (info.stage == 0 and info.round == 0)
+        served = {g: self.task_state(g) for g in sorted(set(self.labels.values()))}
+        msgs = {}
+        for k, g in self.labels.items():
+            own = {"powder/ntd_class_weight": self.class_weight[list(self.env.label_space.tasks[g].logits)].clone()}
+            tensors = {**served[g], **own, **self.extras.get(k, {})}
+            msgs[k] = Message(tensors, {"ntd": ntd, **self.extra_scalars}, kind="train")
+        return msgs
+
+    def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
+        return self.absorb(replies, self.labels)
 
     def reply_metrics(self, replies: dict[int, Message]) -> dict[str, float]:
         """Round metrics read from every reply, trained or not (C2Prompt's LCDC diagnostics)."""
         return {}
 
     def round_extras(
-        self, grid: Grid, info: RoundInfo, labels: dict[int, int], metrics: dict[str, float]
+        self, grid: Grid, info: RoundInfo
     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
         """Per-client tensors and shared scalars added to this round's train messages (C2Prompt's hook)."""
         return {}, {}
@@ -411,7 +410,7 @@ class PowderServer(FedAvgServer):
         replies = grid.broadcast(info.participants, msg)
         space = self.env.label_space
         for k in sorted(replies):
-            g = self.env.label_task(info.task, k)
+            g = self.env.label_task(info.stage, k)
             sig, count = replies[k].tensors["powder/class_signature"], replies[k].tensors["powder/class_count"]
             if int(count.sum()) == 0:
                 continue
