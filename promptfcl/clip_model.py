@@ -1,5 +1,7 @@
 """`ClipClassifier`: a frozen CLIP classifying by cosine similarity between image and class-text features.
 
+The backbone is any `ClipTowers`: open_clip's `FrozenCLIP`, or the CPU-scale stand-in `MiniCLIP`.
+
 What is learnable (and so what travels) is chosen by `ClipPromptParams`:
 
 - `n_ctx` general context vectors P_g (M, w) in front of every class name (CoOp, PromptFL; CAPT's general prompt);
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from promptfcl.backbones.clip import FrozenCLIP
+from promptfcl.backbones.clip_towers import ClipTowers
 from promptfcl.model import ExchangedModel
 
 Variant = Literal["general", "class", "integrated", "fixed"]
@@ -62,7 +64,7 @@ class ClipClassifier(ExchangedModel):
     GENERAL = ("ctx", "deep_ctx")
     CLASS = ("class_ctx",)
 
-    def __init__(self, backbone: FrozenCLIP, class_names: list[str], p: ClipPromptParams) -> None:
+    def __init__(self, backbone: ClipTowers, class_names: list[str], p: ClipPromptParams) -> None:
         super().__init__()
         object.__setattr__(self, "backbone", backbone)
         if p.depth > min(backbone.text_layers, backbone.vision_layers):
@@ -74,7 +76,7 @@ class ClipClassifier(ExchangedModel):
         self.p = p
         self.num_classes = len(class_names)
         names = [n.replace("_", " ") for n in class_names]
-        w, device = backbone.text_width, backbone.clip.token_embedding.weight.device
+        w, device = backbone.text_width, backbone.device
         texts: dict[str, list[str]] = {}
         if p.n_ctx:
             texts["general"] = _texts(p.n_ctx, names)
@@ -82,8 +84,7 @@ class ClipClassifier(ExchangedModel):
             texts["class"] = _texts(p.class_ctx, names)
         if p.n_ctx and p.class_ctx:
             texts["integrated"] = _texts(p.n_ctx + p.class_ctx, names)
-        if not texts:
-            texts["fixed"] = [p.template.format(n) for n in names]
+        texts["fixed"] = [p.template.format(n) for n in names]  # the zero-shot texts (also the prompt-free pass's)
         for v, t in texts.items():
             tokens = backbone.tokenize(t)
             self.register_buffer(f"tokens_{v}", tokens, persistent=False)
@@ -112,7 +113,7 @@ class ClipClassifier(ExchangedModel):
         if not words:
             return None
         tokens = self.backbone.tokenize([words])
-        n = int(tokens.argmax(dim=-1)) - 1
+        n = int(self.backbone.eot_index(tokens)[0]) - 1
         return self.backbone.token_embeddings(tokens)[0, 1 : 1 + n]
 
     @staticmethod
@@ -190,7 +191,18 @@ class ClipClassifier(ExchangedModel):
     def cosine_logits(self, z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return self.backbone.logit_scale * z @ t.t()
 
+    @property
+    def prompted(self) -> bool:
+        """Whether anything is learned beside zero-shot CLIP (contexts, coupling, adapter, meta-net)."""
+        return any(q.numel() for q in self.parameters())
+
+    def zero_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero-shot CLIP's logits: the template's class texts and the prompt-free image features."""
+        return self.cosine_logits(self.backbone.encode_image(x), self.text_features("fixed"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backbone.prompts_off:  # the validity gate's prompt-free pass (`ClipTowers.prompts_disabled`)
+            return self.zero_shot(x)
         z = self.image_features(x)
         if hasattr(self, "meta_net"):
             return self.backbone.logit_scale * torch.einsum("be,bce->bc", z, self.conditional_text_features(z))

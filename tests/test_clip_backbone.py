@@ -83,8 +83,8 @@ def test_offline_pretrained_fails_with_what_to_put_where(monkeypatch) -> None:
 
 def test_core_never_imports_open_clip_or_sklearn() -> None:
     code = (
-        "import sys, promptfcl.runtime, promptfcl.methods, promptfcl.experiment; "
-        "bad = [m for m in ('open_clip', 'sklearn') if m in sys.modules]; assert not bad, bad"
+        "import sys, promptfcl.runtime, promptfcl.methods, promptfcl.experiment, promptfcl.cli; "
+        "bad = [m for m in ('open_clip', 'sklearn', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -16,6 +16,10 @@ Weights: `backbone.pretrained: true` asks open_clip for `backbone.tag` (e.g. `op
 `backbone.weights: FILE` loads a local `.safetensors` or weights-only torch checkpoint (e.g. the
 `open_clip_model.safetensors` of the `timm/vit_base_patch16_clip_224.openai` hub repository). Neither: random
 init from the open_clip model config of `backbone.name` deep-merged with `backbone.kwargs` (the tests' tiny CLIP).
+
+`backbone.name: mini-clip` is not an open_clip model but the CPU-scale stand-in `promptfcl.backbones.mini_clip.MiniCLIP`
+(frozen hybrid ViT-Tiny + frozen MiniLM text tower + a label-free image→text projection), which needs no open_clip.
+Both are `ClipTowers`, the interface `promptfcl.clip_model.ClipClassifier` and the CLIP methods use.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from promptfcl.backbones.clip_towers import ClipTowers
 from promptfcl.backbones.precision import Precision, autocast
 from promptfcl.backbones.vit import BackboneError, read_state_dict
 from promptfcl.config import BackboneConfig
@@ -53,8 +58,20 @@ def _deep_merge(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def is_mini_clip(cfg: BackboneConfig) -> bool:
+    """True when `backbone.name` selects the CPU-scale stand-in mini-CLIP instead of an open_clip model."""
+    from promptfcl.backbones.mini_clip import MINI_CLIP
+
+    return cfg.name == MINI_CLIP
+
+
 def clip_model_config(cfg: BackboneConfig) -> dict[str, Any]:
-    """open_clip's architecture config of `cfg.name`, deep-merged with `cfg.kwargs`."""
+    """open_clip's architecture config of `cfg.name`, deep-merged with `cfg.kwargs` (mini-CLIP: its checked
+    options, files and packages included)."""
+    if is_mini_clip(cfg):
+        from promptfcl.backbones.mini_clip import check_mini_clip
+
+        return check_mini_clip(cfg).model_dump()
     open_clip = import_open_clip()
     base = open_clip.get_model_config(cfg.name)
     if base is None:
@@ -65,7 +82,7 @@ def clip_model_config(cfg: BackboneConfig) -> dict[str, Any]:
     return _deep_merge(base, cfg.kwargs)
 
 
-class FrozenCLIP(nn.Module):
+class FrozenCLIP(ClipTowers):
     """Frozen open_clip `CLIP` (image + text towers) with prompt hooks; always in eval mode, nothing trainable."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -106,19 +123,18 @@ class FrozenCLIP(nn.Module):
     def logit_scale(self) -> torch.Tensor:
         return self.clip.logit_scale.exp()
 
-    def train(self, mode: bool = True) -> FrozenCLIP:  # the backbone never leaves eval mode
-        return super().train(False)
-
-    def __deepcopy__(self, memo: dict) -> FrozenCLIP:  # frozen and shared: a copied model keeps this one
-        return self
-
-    def enable_query_cache(self, on: bool = True) -> None:
-        """CLIP methods use no query cache (API parity with `FrozenViT`)."""
+    @property
+    def device(self) -> torch.device:
+        return self.clip.token_embedding.weight.device
 
     # ------------------------------------------------------------------------------------------- text
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         """Token ids (N, context_length) with open_clip's BPE vocabulary (shipped in the package, offline)."""
         return self._tokenizer(texts).to(self.clip.token_embedding.weight.device)
+
+    def eot_index(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Position of each sequence's end-of-text token (the largest id of CLIP's vocabulary)."""
+        return tokens.argmax(dim=-1)
 
     @torch.no_grad()
     def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -213,12 +229,14 @@ class FrozenCLIP(nn.Module):
             pooled = pooled @ v.proj
         return F.normalize(pooled, dim=-1) if normalize else pooled
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.encode_image(x)
 
+def build_clip(cfg: BackboneConfig) -> ClipTowers:
+    """Create the open_clip model: pretrained tag (online), local weights file, or seeded random init; or the
+    CPU-scale stand-in mini-CLIP (`backbone.name: mini-clip`)."""
+    if is_mini_clip(cfg):
+        from promptfcl.backbones.mini_clip import build_mini_clip
 
-def build_clip(cfg: BackboneConfig) -> FrozenCLIP:
-    """Create the open_clip model: pretrained tag (online), local weights file, or seeded random init."""
+        return build_mini_clip(cfg)
     open_clip = import_open_clip()
     model_cfg = clip_model_config(cfg)
     if cfg.pretrained and not cfg.weights:
