@@ -20,12 +20,14 @@ The two studies must derive their seeds from the same base configs (seed k is th
 claim checks that every paired seed's `scenario.json` is identical in the two run directories.
 
 For every claim: the per-seed difference better − worse over the seeds both cells finished, its mean, the 95 %
-Student-t interval and the count of seeds favouring `better` (`statistics.paired`), and a status —
-- `invalid`: a run of either cell failed the validity gate (`evaluation.validity`); the difference is shown but
-  cannot support the claim;
-- `reproduced`: the interval lies above 0; `not reproduced`: it lies below 0 (the opposite ordering holds);
-- `inconclusive`: it contains 0, or fewer than `min_seeds` seeds are paired.
-Values are read from the committed study summaries (`summary.json`: per-seed values and validity), never typed in.
+Student-t interval and the count of seeds favouring `better` (`statistics.paired`), beside the paper's own
+difference (`paper_delta`), and a status (defined in `STATUSES`, printed on the page). Before any verdict: every
+paired seed of the two cells must have run the identical `scenario.json` (a missing one is an error), and the
+paired runs must come from one clean commit (`environment.json`), unless `provenance_note` says why the commits
+that differ are safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
+`*_helps` checks, McNemar pooled over the paired seeds) and the worse cell beats its own head-only control
+(`controls: [{role: head_only, …}]`): otherwise the better cell would beat an inert peer. Values are read from
+the committed study summaries (`summary.json`) and run directories, never typed in.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import contextlib
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -50,6 +52,9 @@ class Control(StrictModel):
     cell: str
     metric: str | None = Field(None, description="its summary key (default: the claim's metric)")
     label: str | None = None
+    role: Literal["head_only"] | None = Field(
+        None, description="head_only: the worse cell's own head-only control, which the worse cell must beat"
+    )
 
 
 class Claim(StrictModel):
@@ -63,7 +68,12 @@ class Claim(StrictModel):
     worse: str
     metric: str = "faa"
     lower_is_better: bool = False
-    diagnosis: str | None = None
+    paper_delta: float | None = Field(None, description="the paper's own better − worse on this metric, in points")
+    finding: str | None = Field(None, description="one or two sentences: the mechanism-level finding")
+    diagnosis: str | None = Field(None, description="the finding's long form (its evidence, where to find it)")
+    provenance_note: str | None = Field(
+        None, description="why paired runs from different (or uncommitted) code are safe to compare, if they are"
+    )
     controls: list[Control] = Field(default_factory=list, description="reference cells shown beside the pair")
     unavailable: str | None = Field(
         None, description="why no valid evidence can be produced here (the claim is then `invalid` with this reason)"
@@ -105,18 +115,80 @@ def _summary(claim: Claim, where: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+STATUSES = {
+    "reproduced, margin within the paper's": "the interval lies above 0 and contains the paper's own difference; "
+    "both cells' mechanisms help in their own runs and the worse cell beats its head-only control",
+    "reproduced, margin above the paper's": "as above, but the whole interval lies above the paper's difference",
+    "reproduced, margin below the paper's": "as above, but the whole interval lies below the paper's difference",
+    "reproduced": "as above; the paper gives no difference to compare with",
+    "not reproduced": "the interval lies below 0: the opposite ordering holds",
+    "inconclusive": "the interval contains 0, fewer paired seeds than the verdict needs, or the ordering holds but "
+    "a cell's mechanism is neutral or hurts in its own runs, or the worse cell does not beat its head-only control "
+    "(the reason is given)",
+    "invalid": "a run of either cell failed the validity gate, the paired runs do not come from one clean commit "
+    "(without a stated reason why that is safe), or no valid evidence can be produced here (the reason is given)",
+}
+
+
+def _run_dir(study: Path, cell: str, seed: int) -> Path:
+    return study / cell / f"seed{seed}"
+
+
 def _check_same_scenarios(claim: Claim, dirs: dict[str, Path], seeds: list[int]) -> None:
-    """Cells paired across two studies must have run the same scenario for every paired seed."""
+    """Paired cells must have run the same scenario for every paired seed (a missing scenario.json is an error)."""
     (a_cell, a_dir), (b_cell, b_dir) = dirs.items()
     for seed in seeds:
         texts = (a_dir / f"seed{seed}" / "scenario.json", b_dir / f"seed{seed}" / "scenario.json")
-        if all(p.is_file() for p in texts):
-            a, b = (json.loads(p.read_text()) for p in texts)
-            if a != b:
-                raise ConfigError(
-                    f"claim {claim.id}: seed {seed} of {a_cell!r} and {b_cell!r} ran different scenarios "
-                    f"({' vs '.join(map(str, texts))}); pair cells whose studies share base configs"
-                )
+        missing = [str(p) for p in texts if not p.is_file()]
+        if missing:
+            raise ConfigError(f"claim {claim.id}: {', '.join(missing)} not found; a paired run must keep its scenario")
+        a, b = (json.loads(p.read_text()) for p in texts)
+        if a != b:
+            raise ConfigError(
+                f"claim {claim.id}: seed {seed} of {a_cell!r} and {b_cell!r} ran different scenarios "
+                f"({' vs '.join(map(str, texts))}); pair cells whose studies share base configs"
+            )
+
+
+def provenance(dirs: list[Path]) -> dict[str, Any]:
+    """The commits the runs in `dirs` came from (`environment.json` → git) and which had uncommitted changes."""
+    commits: dict[str, list[str]] = {}
+    dirty: list[str] = []
+    for d in dirs:
+        env = json.loads((d / "environment.json").read_text()) if (d / "environment.json").is_file() else {}
+        git = env.get("git") or {}
+        commits.setdefault(str(git.get("commit") or "unknown")[:10], []).append(f"{d.parent.name}/{d.name}")
+        if git.get("dirty") or not git.get("commit"):
+            dirty.append(f"{d.parent.name}/{d.name}")
+    return {"commits": commits, "dirty": dirty, "clean": len(commits) == 1 and not dirty}
+
+
+def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
+    """Per mechanism check of the runs (`prompt_helps`, `<component>_helps`): the paired counts pooled over the runs
+    (right only with the component, right only without) and McNemar's verdict on them."""
+    from promptfcl.evaluation.prompt_effect import mcnemar
+
+    pooled: dict[str, list[int]] = {}
+    for d in dirs:
+        path = d / "metrics.json"
+        if not path.is_file():
+            continue
+        m = json.loads(path.read_text())
+        for check in (m.get("validity") or {}).get("checks", []):
+            name = check["name"]
+            if not name.endswith("_helps"):
+                continue
+            component = name[: -len("_helps")]
+            effect = m.get("prompt_effect") if component == "prompt" else (m.get("ablations") or {}).get(component)
+            counts = pooled.setdefault(name, [0, 0])
+            if effect and effect.get("gained") is not None:
+                counts[0] += int(effect["gained"])
+                counts[1] += int(effect["lost"])
+    out = {}
+    for name, (gained, lost) in pooled.items():
+        p, verdict = mcnemar(gained, lost)
+        out[name] = {"gained": gained, "lost": lost, "p": p, "verdict": verdict}
+    return out
 
 
 def _per_seed(row: dict[str, Any], metric: str) -> dict[int, float]:
@@ -131,21 +203,23 @@ def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Pa
         row = _row(_summary(claim, where), ctl.cell, where)
         metric = ctl.metric or claim.metric
         values = _per_seed(row, metric)
-        item = {"control": ctl, "metric": metric, "values": values, "failed": row.get("invalid") or {}, "diff": None}
+        failed = {int(s): f for s, f in (row.get("invalid") or {}).items()}
+        item = {"control": ctl, "metric": metric, "values": values, "failed": failed, "diff": None}
         if metric == claim.metric and not row.get("upper_bound"):
-            seeds = sorted(set(values) & set(better))
+            valid = {s: v for s, v in values.items() if s not in failed}  # intervals on the control's valid seeds
+            seeds = sorted(set(valid) & set(better))
             _check_same_scenarios(claim, {claim.better: better_dir, ctl.cell: where / ctl.cell}, seeds)
             sign = -1.0 if claim.lower_is_better else 1.0
             with contextlib.suppress(ValueError):  # fewer than two paired seeds: no interval
                 item["diff"] = paired_difference(
-                    {s: sign * v for s, v in better.items()}, {s: sign * v for s, v in values.items()}
+                    {s: sign * v for s, v in better.items()}, {s: sign * v for s, v in valid.items()}
                 )
         out.append(item)
     return out
 
 
 def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, Any]:
-    """The claim's paired difference, status and the cells' failed validity checks, from the study summaries."""
+    """The claim's paired difference, status and its reasons, from the study summaries and run directories."""
     if claim.unavailable or claim.study is None:
         reason = claim.unavailable or "no study named"
         return {"claim": claim.model_dump(), "failed": {}, "difference": None, "status": "invalid", "reason": reason}
@@ -155,15 +229,16 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     }
     rows = {c: _row(_summary(claim, where), c, where) for c, where in studies.items()}
     values = {cell: _per_seed(row, claim.metric) for cell, row in rows.items()}
-    if claim.worse_study:
-        _check_same_scenarios(
-            claim, {c: d / c for c, d in studies.items()}, sorted(set(values[claim.better]) & set(values[claim.worse]))
-        )
+    seeds = sorted(set(values[claim.better]) & set(values[claim.worse]))
+    _check_same_scenarios(claim, {c: d / c for c, d in studies.items()}, seeds)
     sign = -1.0 if claim.lower_is_better else 1.0
     a = {s: sign * v for s, v in values[claim.better].items()}
     b = {s: sign * v for s, v in values[claim.worse].items()}
     failed = {c: {s: f for s, f in (rows[c].get("invalid") or {}).items()} for c in rows}
+    dirs = {c: [_run_dir(studies[c], c, s) for s in seeds] for c in studies}
     out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None, "values": values}
+    out["provenance"] = provenance([d for ds in dirs.values() for d in ds])
+    out["mechanisms"] = {c: mechanism_verdicts(ds) for c, ds in dirs.items()}
     out["controls"] = _controls(claim, base, values[claim.better], studies[claim.better] / claim.better)
     try:
         diff = paired_difference(a, b)
@@ -171,14 +246,61 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
         out.update(status="inconclusive", reason=str(e))
         return out
     out["difference"] = diff
+    prov = out["provenance"]
     if any(failed.values()):
         out["status"] = "invalid"
+        out["reason"] = "; ".join(
+            f"{c} seed {s} failed {', '.join(f)}" for c, seeds_failed in failed.items() for s, f in seeds_failed.items()
+        )
+    elif not prov["clean"] and not claim.provenance_note:
+        out["status"] = "invalid"
+        parts = [f"{len(prov['commits'])} commit(s)"] + ([f"{len(prov['dirty'])} run(s) with uncommitted changes"]
+                                                         if prov["dirty"] else [])  # fmt: skip
+        out["reason"] = "the paired runs come from " + " and ".join(parts) + " (re-run them from one clean commit)"
     elif diff.n < min_seeds:
         out["status"] = "inconclusive"
         out["reason"] = f"{diff.n} paired seeds (needs {min_seeds})"
+    elif diff.high < 0:
+        out["status"] = "not reproduced"
+    elif diff.low <= 0:
+        out["status"] = "inconclusive"
     else:
-        out["status"] = "reproduced" if diff.low > 0 else "not reproduced" if diff.high < 0 else "inconclusive"
+        out["status"], out["reason"] = _reproduced(claim, diff, out)
     return out
+
+
+def _reproduced(claim: Claim, diff: PairedDifference, out: dict[str, Any]) -> tuple[str, str | None]:
+    """The status of an ordering that held: inconclusive when a cell's mechanism does not help or the worse cell
+    does not beat its head-only control, else reproduced with its margin against the paper's."""
+    weak = [
+        f"{cell}'s {name} is {v['verdict']} (right only with it {v['gained']}, only without {v['lost']}, "
+        f"McNemar p {v['p']:.2g})"
+        for cell, checks in out["mechanisms"].items()
+        for name, v in checks.items()
+        if v["verdict"] != "helps"
+    ]
+    if weak:
+        return "inconclusive", "the ordering holds but " + "; ".join(weak)
+    for item in out["controls"]:
+        ctl = item["control"]
+        if ctl.role != "head_only":
+            continue
+        worse = {s: v for s, v in out["values"][claim.worse].items() if s not in out["failed"].get(claim.worse, {})}
+        sign = -1.0 if claim.lower_is_better else 1.0
+        valid = {s: v for s, v in item["values"].items() if s not in item["failed"]}
+        with contextlib.suppress(ValueError):
+            lead = paired_difference({s: sign * v for s, v in worse.items()}, {s: sign * v for s, v in valid.items()})
+            out["worse_over_head_only"] = lead
+            if lead.low <= 0:
+                return "inconclusive", (f"the ordering holds but {claim.worse} does not beat its head-only control "
+                                        f"({_fmt_diff(lead)}): the better cell beats an inert peer")  # fmt: skip
+    if claim.paper_delta is None:
+        return "reproduced", None
+    if diff.low > claim.paper_delta:
+        return "reproduced, margin above the paper's", None
+    if diff.high < claim.paper_delta:
+        return "reproduced, margin below the paper's", None
+    return "reproduced, margin within the paper's", None
 
 
 def _fmt_diff(d: PairedDifference | None) -> str:
@@ -215,25 +337,32 @@ def _controls_table(c: dict[str, Any], r: dict[str, Any]) -> list[str]:
     return lines
 
 
-def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
-    """The claims document: one table row per claim, then per-claim details (seeds, failed checks, diagnosis)."""
+def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str | None = None) -> str:
+    """The claims document: the statuses, one table row per claim, then per claim its seeds, provenance, mechanism
+    verdicts, controls and short finding (linking to its long form in `diagnoses`, when given)."""
     results = [evaluate_claim(c, base, claims.min_seeds) for c in claims.claims]
     lines = [
         f"# {claims.title}",
         "",
-        f"Generated by `promptfcl claims {source}` from the committed study summaries — do not edit by hand.",
-        "Difference = the advantage of the paper's better cell over the cell it beats (better − worse; worse − "
-        "better where lower is better), per seed, its mean and 95 % Student-t interval; a verdict needs "
-        f"≥ {claims.min_seeds} paired seeds and every run of both cells passing the validity gate.",
+        f"Generated by `promptfcl claims {source}` from the committed study summaries and run directories — do not "
+        "edit by hand. Difference = the advantage of the paper's better cell over the cell it beats (better − "
+        "worse; worse − better where lower is better), per seed, its mean and 95 % Student-t interval, beside the "
+        f"paper's own difference (paper Δ). A verdict needs ≥ {claims.min_seeds} paired seeds that ran the same "
+        "scenario, from one clean commit, every run of both cells passing the validity gate.",
         "",
-        "| claim | paper | cells (better vs worse) | metric | difference [95 % CI] | seeds favouring | status |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "Statuses:",
+        "",
+        *[f"- **{name}**: {meaning}." for name, meaning in STATUSES.items()],
+        "",
+        "| claim | paper | cells (better vs worse) | metric | paper Δ | our Δ [95 % CI] | seeds favouring | status |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         c, d = r["claim"], r["difference"]
         favour = f"{d.positive}/{d.n}" if d is not None else "–"
+        paper = f"{c['paper_delta']:+.2f}" if c.get("paper_delta") is not None else "–"
         lines.append(
-            f"| {c['id']} | {c['paper']} | `{c['better']}` vs `{c['worse']}` | {c['metric']} | "
+            f"| {c['id']} | {c['paper']} | `{c['better']}` vs `{c['worse']}` | {c['metric']} | {paper} | "
             f"{_fmt_diff(d)} | {favour} | **{r['status']}** |"
         )
     lines.append("")
@@ -246,20 +375,47 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str) -> str:
             lines.append(f"Per-seed advantage ({c['metric']}): {per}.")
         if r.get("reason"):
             lines.append(f"{r['status'].capitalize()} because: {r['reason'].rstrip('.')}.")
+        prov = r.get("provenance")
+        if prov:
+            commits = "; ".join(f"`{k}`: {len(v)} run(s)" for k, v in prov["commits"].items())
+            dirty = f"; with uncommitted changes: {', '.join(prov['dirty'])}" if prov["dirty"] else ""
+            lines.append(f"Provenance: {commits}{dirty}.")
+            if c.get("provenance_note"):
+                lines.append(f"Provenance note: {c['provenance_note'].strip()}")
+        for cell, checks in (r.get("mechanisms") or {}).items():
+            for name, v in checks.items():
+                lines.append(f"- `{cell}` {name}: **{v['verdict']}** over the paired seeds (right only with it "
+                             f"{v['gained']}, only without {v['lost']}, McNemar p {v['p']:.2g}).")  # fmt: skip
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")
         if r.get("controls"):
             lines += ["", *_controls_table(c, r)]
-        if c.get("diagnosis"):
-            lines += ["", c["diagnosis"].strip()]
+        if c.get("finding"):
+            more = f" ([long form]({diagnoses}#{c['id']}))" if diagnoses and c.get("diagnosis") else ""
+            lines += ["", f"Finding: {c['finding'].strip()}{more}"]
+        elif c.get("diagnosis") and diagnoses:
+            lines += ["", f"Diagnosis: [long form]({diagnoses}#{c['id']})."]
         lines.append("")
     return "\n".join(lines)
 
 
+def diagnoses_markdown(claims: ClaimsFile, source: str) -> str:
+    """The long form of every claim's diagnosis, one section per claim (linked from the claims page)."""
+    lines = [f"# {claims.title}: diagnoses", "", f"Long forms of the findings in the claims page (`{source}`).", ""]
+    for c in claims.claims:
+        if c.diagnosis:
+            lines += [f"## {c.id}", "", c.diagnosis.strip(), ""]
+    return "\n".join(lines)
+
+
 def write_claims(path: str | Path, out: str | Path) -> str:
+    """Write the claims page to `out` and the long diagnoses beside it (`<out stem>_diagnoses.md`)."""
     claims, base = load_claims(path)
-    text = claims_markdown(claims, base, str(path))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(text)
+    out = Path(out)
+    long_form = out.with_name(out.stem + "_diagnoses.md")
+    text = claims_markdown(claims, base, str(path), long_form.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    long_form.write_text(diagnoses_markdown(claims, str(path)))
     return text

@@ -1,6 +1,7 @@
 """Command line: `promptfcl run CONFIG [--set k=v …] [--resume RUN_DIR]`, `promptfcl study STUDY`,
 `promptfcl compare RUN_DIR…`, `promptfcl report STUDY_DIR`, `promptfcl transfer RUN_DIR --direct DIRECT_RUN`,
-`promptfcl probe CONFIG`, `promptfcl claims CLAIMS.yaml`, `promptfcl list`, `promptfcl show METHOD`."""
+`promptfcl probe CONFIG`, `promptfcl export-scenario CONFIG OUT.npz`, `promptfcl claims CLAIMS.yaml`, `promptfcl list`,
+`promptfcl show METHOD`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.markup import escape
 
+from promptfcl.assets import add_build_asset_parser
 from promptfcl.config import ConfigError, EngineKind, ExperimentConfig, load_config
 
 if TYPE_CHECKING:
@@ -230,13 +232,32 @@ def _probe(args: argparse.Namespace) -> int:
     for col in ("classes", "train images", "test images", "nearest class mean (%)", "linear probe (%)", "C"):
         table.add_column(col, justify="right")
     for key, r in out.items():
-        if key != "protocol":
+        if key != "protocol" and not key.startswith("zero_shot"):
             table.add_row(str(r["classes"]), str(r["train_images"]), str(r["test_images"]), f"{r['ncm']:.1f}",
                           f"{r['linear']:.1f}", f"{r['linear_c']:g}")  # fmt: skip
     console.print(table)
+    for key, r in out.items():  # CLIP backbones: zero-shot top-1 on the same test images
+        if key.startswith("zero_shot"):
+            console.print(f"zero-shot top-1 ({r['classes']} classes, {r['test_images']} test images, "
+                          f"\"{r['template']}\"): {r['top1']:.2f} % (chance {r['chance']:.2f} %)")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2))
         console.print(f"written to {args.out}")
+    return 0
+
+
+def _export_scenario(args: argparse.Namespace) -> int:
+    """`promptfcl export-scenario CONFIG OUT.npz`: the run's images, labels and scenario for an external code."""
+    from promptfcl.export import export_scenario
+
+    meta = export_scenario(load_config(args.config, args.set), Path(args.out))
+    console.print(
+        f"written {args.out} and {Path(args.out).with_suffix('.json')}: {meta['dataset']['train_images']} train / "
+        f"{meta['dataset']['test_images']} test images at {meta['images']['size']} px, "
+        f"{meta['scenario']['stages']} stages x {meta['scenario']['rounds_per_task']} rounds, "
+        f"{meta['scenario']['num_clients']} clients; config sha256 {meta['config_sha256'][:16]}…",
+        highlight=False,
+    )
     return 0
 
 
@@ -480,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     fc.add_argument("--nodes", type=int, default=2, help="SuperNode key pairs to make")
     fc.set_defaults(func=_flower_certs)
     pb = sub.add_parser(
-        "probe", help="nearest-class-mean and linear-probe accuracy of the configured frozen backbone's features"
+        "probe", help="nearest-class-mean and linear-probe accuracy of the configured frozen backbone's features "
+        "(CLIP backbones: also zero-shot top-1)"
     )
     pb.add_argument("config", help="YAML config (its backbone and dataset are probed)")
     pb.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
@@ -491,6 +513,16 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--first-classes", type=int, default=20, help="also probe the first K class ids (default 20)")
     pb.add_argument("--out", help="write the results as JSON here")
     pb.set_defaults(func=_probe)
+    ex = sub.add_parser(
+        "export-scenario",
+        help="write a run's images (at the backbone's input size), labels and scenario (class order, client indices "
+        "per task and round, test indices, seed, config hash) to OUT.npz + OUT.json for an external code",
+    )
+    ex.add_argument("config", help="YAML config (the run whose data is exported)")
+    ex.add_argument("out", help="output .npz (the JSON sidecar is written beside it)")
+    ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    ex.set_defaults(func=_export_scenario)
+    add_build_asset_parser(sub)
     cl = sub.add_parser("claims", help="paired tests of the papers' claims from study summaries → Markdown")
     cl.add_argument("claims", help="claims YAML (studies, cells, metric per claim)")
     cl.add_argument("--out", default="docs/claims.md", help="Markdown output (default docs/claims.md)")

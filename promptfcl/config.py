@@ -82,7 +82,11 @@ class PartitionConfig(StrictModel):
 
     `dirichlet` / `iid`: a fixed split of every task over `num_clients` clients. `hepco`: every round draws
     `num_clients` new stateless clients, each with a κ fraction of the task's classes, a γ fraction of each kept
-    class's images (overlap allowed) and a long-tail profile of ratio `imbalance` (HePCo §5.1).
+    class's images (overlap allowed) and a long-tail profile of ratio `imbalance` (HePCo §5.1). `apply_imbalance`:
+    true (the paper: the β profile shapes each client's data) | false (the official code, whose β line is commented
+    out: every kept class keeps its γ fraction, so β changes no client's data; the code still reports the β
+    profile's counts to its server, which is not reproduced — clients here report the counts of the data they
+    hold; at β = 1, the value of every released script, both agree).
     """
 
     kind: Literal["dirichlet", "iid", "hepco"] = "dirichlet"
@@ -92,6 +96,11 @@ class PartitionConfig(StrictModel):
     category_ratio: float = Field(0.6, gt=0, le=1, description="hepco κ: fraction of the task's classes per client")
     split_ratio: float = Field(0.1, gt=0, le=1, description="hepco γ: fraction of a kept class's images per client")
     imbalance: float = Field(1.0, gt=0, le=1, description="hepco β: tail/head ratio of a client's class counts")
+    apply_imbalance: bool = Field(
+        True,
+        description="hepco: subsample each client's kept classes to the β profile (paper); false: keep γ of every "
+        "kept class, β unused (the official code)",
+    )
 
 
 class ParticipationConfig(StrictModel):
@@ -448,6 +457,14 @@ class EngineConfig(StrictModel):
         "tensors stay float32; fp16 adds loss scaling; fp16 is refused on the CPU)",
     )
     compile: bool = Field(False, description="torch.compile the backbone's forward (first batches compile)")
+    nograd_batch: int | None = Field(
+        None,
+        gt=0,
+        description="batch of every no-grad pass over client or test data (evaluation, class statistics, Grams, "
+        "prompt effect); default per device: on the CPU the measured fastest at the torch thread count "
+        "(promptfcl.data.loader.CPU_NOGRAD_BATCH, benchmarks/nograd_batch.py), elsewhere each pass's own "
+        "(eval.batch_size, 128); values change only at float rounding",
+    )
 
     @model_validator(mode="after")
     def _slow_needs_timeout(self) -> EngineConfig:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -23,7 +24,7 @@ from promptfcl.evaluation.validity import RunEvidence, gate
 from promptfcl.federation.faults import FaultPlan
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
-from promptfcl.federation.protocol import Grid, GridPolicy, RoundFailed, RoundInfo
+from promptfcl.federation.protocol import Grid, GridPolicy, RoundFailed, RoundInfo, ServerProgram
 from promptfcl.reliability import GracefulStop, RoundSnapshot, RunStopped
 from promptfcl.report.plots import plot_client_class_counts, plot_client_tasks, plot_task_timeline
 from promptfcl.report.progress import RunProgress
@@ -156,11 +157,13 @@ class Experiment:
         self.progress.round_started(task, T, rnd, R)
         last = rnd == R - 1
         self.grid.stamp = self.regime.round_stamp(last)  # e.g. client_local's `measure_local`
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        before = trained_snapshot(self.server)
         round_metrics = self._attempt_round(info)
+        round_metrics.update(parameter_moves(before, trained_snapshot(self.server)))
         if last:
             self.server.end_stage(task)
-        round_seconds = time.perf_counter() - t0
+        round_seconds, round_cpu = time.perf_counter() - t0, time.process_time() - c0
         for f in self.grid.failures:
             if not f.injected:  # real failures are worth a line even with the progress display off
                 self.console.print(
@@ -171,12 +174,24 @@ class Experiment:
         timing = self.state["timing"]
         timing["client_seconds"] += traffic.client_seconds
         timing["server_seconds"] += round_seconds - traffic.client_seconds
+        # process CPU seconds (all threads; single-thread CPU with engine.threads: 1) beside the wall times; the
+        # server's are the round's minus the clients' when they run in this process (in-process engine)
+        server_cpu = round_cpu - (traffic.client_cpu_seconds or 0.0)
+        cpu = {"server_cpu_seconds": server_cpu}
+        if traffic.client_cpu_seconds is not None:  # None: the clients ran in other processes (Flower)
+            cpu["client_cpu_seconds"] = traffic.client_cpu_seconds
+        for key, value in cpu.items():
+            timing[key] = timing.get(key, 0.0) + value  # (absent from checkpoints of earlier versions)
         entry: dict[str, Any] = {
             "task": task,
             "round": rnd,
             "participants": list(info.participants),
             **traffic.as_dict(),
             "seconds": round(round_seconds, 4),
+            "server_seconds": round(round_seconds - traffic.client_seconds, 4),
+            "server_cpu_seconds": round(server_cpu, 4),
+            "eval_seconds": 0.0,
+            "eval_cpu_seconds": 0.0,
             "failures": [f.__dict__ for f in self.grid.failures],
             **round_metrics,
         }
@@ -184,9 +199,12 @@ class Experiment:
             entry["attempts"] = self.grid.attempt + 1
         if last or self.regime.every_round:
             self.progress.note("evaluating")
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             entry.update(self.regime.evaluate(self.server, task, rnd, last, self.state))
-            timing["eval_seconds"] += time.perf_counter() - t1
+            eval_seconds, eval_cpu = time.perf_counter() - t1, time.process_time() - c1
+            timing["eval_seconds"] += eval_seconds
+            timing["eval_cpu_seconds"] = timing.get("eval_cpu_seconds", 0.0) + eval_cpu
+            entry.update(eval_seconds=round(eval_seconds, 4), eval_cpu_seconds=round(eval_cpu, 4))
         self.state["rounds"].append(clean_json(entry))
         nxt = (task + 1, 0) if last else (task, rnd + 1)
         with self.stop.deferred():  # a signal while the checkpoint is written waits until it is on disk
@@ -259,9 +277,14 @@ class Experiment:
         if self.scenario.upper_bound is not None:  # reports label the row as an upper bound, not a method
             metrics["upper_bound"] = self.scenario.upper_bound
         metrics["prompt_effect"] = self.state.get("prompt_effect")
+        if self.state.get("ablations"):
+            metrics["ablations"] = self.state["ablations"]
+        config = self.cfg.model_dump(mode="json")  # the method section with every default filled in
+        config["method"] = {"name": self.spec.name, **self.params.model_dump(mode="json")}
         evidence = RunEvidence(
-            self.cfg.model_dump(mode="json"), rounds, self.regime.learned_tasks(self.state), metrics["prompt_effect"]
-        )
+            config, rounds, self.regime.learned_tasks(self.state), metrics["prompt_effect"],
+            self.state.get("ablations") or {},
+        )  # fmt: skip
         metrics["validity"] = gate(evidence, self.spec.signals)
         write_final(self.run_dir, self.cfg.run_name(), metrics)
         if self.tracker is not None:
@@ -282,3 +305,26 @@ def print_summary(console: Console, metrics: dict[str, Any], run_dir: Path) -> N
         table.add_row(k, v)
     console.print(table)
     console.print(f"results written to {run_dir}/")
+
+
+def trained_snapshot(server: ServerProgram) -> dict[str, torch.Tensor]:
+    """A copy of what the server holds of the trained tensors (`ServerProgram.trained_tensors`)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in server.trained_tensors().items() if v.is_floating_point()}
+
+
+def parameter_moves(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How far each group of trained tensors moved in a round, relative to its size: `move/<group>` =
+    ‖w_after − w_before‖ / max(‖w_before‖, ‖w_after‖) over the group's tensors (a group is a name's first part:
+    `prompt`, `head`, `adapter`, …; a `client3/`-style owner prefix is dropped). The validity gate sums them over
+    the run (`parameters_moved`): a group that never left its value was not trained."""
+    sums: dict[str, list[float]] = {}
+    for name, a in after.items():
+        b = before.get(name)
+        if b is None or b.shape != a.shape:
+            continue
+        group = name.rsplit("/", 1)[-1].split(".", 1)[0]
+        s = sums.setdefault(group, [0.0, 0.0, 0.0])
+        s[0] += float((a.double() - b.double()).pow(2).sum())
+        s[1] += float(b.double().pow(2).sum())
+        s[2] += float(a.double().pow(2).sum())
+    return {f"move/{g}": (d**0.5) / max(nb**0.5, na**0.5, 1e-12) for g, (d, nb, na) in sorted(sums.items())}

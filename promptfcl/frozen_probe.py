@@ -7,6 +7,9 @@ logistic regression on standardised features (mean and std of the training featu
 held-out fifth of the training images (seeded, stratified) from `C_GRID` and then refitted on all of them. The
 objective is scikit-learn's: C · Σ_i CE_i + ½‖W‖² (bias not penalised), solved with L-BFGS in float64.
 
+A CLIP backbone (`backbone.kind: clip`, the CPU stand-in mini-CLIP included) is probed on its normalised image
+feature, and `promptfcl probe` also reports its zero-shot top-1 ("a photo of a {class}.", nearest class text).
+
 Two entry points share it:
 - `probe_backbone(cfg, …)` (`promptfcl probe CONFIG`): the assets' protocol on the configured dataset — the first N
   training images of each class (default 100), the whole test split — nearest class mean and linear probe over
@@ -55,11 +58,36 @@ def frozen_features(
     backbone: torch.nn.Module, split: ImageSplit, transform: ImageTransform, batch_size: int, device: torch.device
 ) -> torch.Tensor:
     """(N, d) unprompted features of every image of `split`, in order (float32, on the CPU)."""
+    clip = hasattr(backbone, "encode_image")  # a CLIP backbone: its normalised image feature
     out = []
     for start in range(0, len(split), batch_size):
         x = transform(split.images[start : start + batch_size].to(device))
-        out.append(backbone(x, None).float().cpu())
+        out.append((backbone.encode_image(x) if clip else backbone(x, None)).float().cpu())
     return torch.cat(out) if out else torch.zeros(0, 0)
+
+
+ZERO_SHOT_TEMPLATE = "a photo of a {}."
+
+
+@torch.no_grad()
+def zero_shot(
+    backbone: Any,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    class_names: list[str],
+    classes: list[int] | None = None,
+) -> dict[str, Any]:
+    """Zero-shot top-1 (%) of a CLIP backbone: each test feature takes the class whose text "a photo of a {class}."
+    is nearest (cosine), over `classes` (default all); no training image is used."""
+    ids = list(range(len(class_names))) if classes is None else list(classes)
+    texts = [ZERO_SHOT_TEMPLATE.format(class_names[c].replace("_", " ")) for c in ids]
+    tokens = backbone.tokenize(texts)
+    text = backbone.encode_text(backbone.token_embeddings(tokens), tokens).float().cpu()
+    keep = torch.isin(targets, torch.tensor(ids))
+    pred = torch.tensor(ids)[(F.normalize(features[keep], dim=-1) @ text.t()).argmax(dim=1)]
+    top1 = 100.0 * float((pred == targets[keep]).double().mean()) if keep.any() else float("nan")
+    return {"classes": len(ids), "test_images": int(keep.sum()), "top1": top1, "chance": 100.0 / len(ids),
+            "template": ZERO_SHOT_TEMPLATE}  # fmt: skip
 
 
 def first_per_class(targets: torch.Tensor, per_class: int | None, classes: list[int] | None = None) -> np.ndarray:
@@ -192,10 +220,10 @@ def probe_backbone(
     first_classes: int | None = 20,
     batch_size: int = 256,
 ) -> dict[str, Any]:
-    """{"all": …, "first_<K>": …} probe results of the configured frozen backbone on the configured dataset."""
+    """{"all": …, "first_<K>": …} probe results of the configured frozen backbone on the configured dataset; a CLIP
+    backbone (`backbone.kind: clip`, mini-CLIP included) is probed on its image features and also gets
+    `"zero_shot"` (and `"zero_shot_first_<K>"`): its zero-shot top-1 on the same test images."""
     check_config(cfg)
-    if cfg.backbone.kind != "timm":
-        raise ValueError("promptfcl probe reads a timm ViT's CLS feature; backbone.kind: clip is not supported")
     spec, options = resolve_dataset_options(cfg)
     ds = spec.load(resolve_root(spec, cfg.data.root), options, cfg.data.download)
     device = resolve_device(cfg)
@@ -210,8 +238,14 @@ def probe_backbone(
     if first_classes and first_classes < ds.num_classes:
         a, b = tr.targets < first_classes, te.targets < first_classes
         out[f"first_{first_classes}"] = probe(ftr[a], tr.targets[a], fte[b], te.targets[b], cfg.seed).as_dict()
+    if cfg.backbone.kind == "clip":
+        out["zero_shot"] = zero_shot(backbone, fte, te.targets, ds.class_names)
+        if first_classes and first_classes < ds.num_classes:
+            first = list(range(first_classes))
+            out[f"zero_shot_first_{first_classes}"] = zero_shot(backbone, fte, te.targets, ds.class_names, first)
     out["protocol"] = {
         "backbone": cfg.backbone.name,
+        "kind": cfg.backbone.kind,
         "weights": cfg.backbone.weights,
         "dataset": cfg.data.name,
         "train_per_class": train_per_class,
@@ -245,6 +279,7 @@ def probe_run(cfg: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
     res = probe(ftr, tr.targets, fte, te.targets, cfg.seed, task_groups=groups)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
+    sc.save(run_dir / "scenario.json", train.targets.numpy())  # what claims pair it on, as every run
     (run_dir / "environment.json").write_text(json.dumps(environment_info(), indent=2))
     task_aware = sc.schedule is not None or sc.personalized
     main = res.task_aware if task_aware and res.task_aware is not None else res.linear

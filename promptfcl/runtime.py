@@ -28,6 +28,7 @@ from promptfcl.config import (
 )
 from promptfcl.data import DATASETS, DataMissingError, ImageDataset, ImageTransform, resolve_root, subsample_per_class
 from promptfcl.data.cache import CacheError, default_cache_dir, materialize
+from promptfcl.data.loader import set_nograd_batch
 from promptfcl.evaluation.regimes import check_regime
 from promptfcl.federation.protocol import ClientProgram, MethodEnv, MethodSpec, ServerProgram
 from promptfcl.methods import METHODS
@@ -266,6 +267,26 @@ def resolve_device(cfg: ExperimentConfig) -> torch.device:
     return torch.device(cfg.engine.device)
 
 
+def run_scenario(cfg: ExperimentConfig, dataset: ImageDataset, scenario_file: Path | None = None) -> Scenario:
+    """The run's scenario: reloaded from `scenario_file` (a run's scenario.json) when it exists, else built from
+    the config, the dataset's labels and the seed."""
+    if scenario_file is not None and scenario_file.is_file():
+        return Scenario.load(scenario_file)
+    try:
+        return build_scenario(
+            cfg.scenario, dataset.train.targets.numpy(), dataset.test.targets.numpy(), dataset.num_classes, cfg.seed
+        )
+    except PartitionError as e:
+        raise ConfigError(f"scenario: {e}") from None
+
+
+def eval_transform(cfg: ExperimentConfig) -> ImageTransform:
+    """The evaluation transform of the configured backbone (`MethodEnv.eval_transform`): resize to its input size,
+    normalise."""
+    b = cfg.backbone
+    return ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
+
+
 @dataclass
 class Runtime:
     """A validated config turned into live objects: dataset, scenario, shared backbone, method and its env."""
@@ -286,30 +307,18 @@ class Runtime:
         device = resolve_device(cfg)
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
+        set_nograd_batch(cfg.engine.nograd_batch)  # this process's no-grad passes (default: per device)
         try:
             dataset = load_dataset(cfg)
         except (DataMissingError, CacheError) as e:
             raise ConfigError(f"data: {e}") from None
-        if scenario_file is not None and scenario_file.is_file():
-            scenario = Scenario.load(scenario_file)
-        else:
-            try:
-                scenario = build_scenario(
-                    cfg.scenario,
-                    dataset.train.targets.numpy(),
-                    dataset.test.targets.numpy(),
-                    dataset.num_classes,
-                    cfg.seed,
-                )
-            except PartitionError as e:
-                raise ConfigError(f"scenario: {e}") from None
+        scenario = run_scenario(cfg, dataset, scenario_file)
         try:
             backbone = shared_backbone(cfg, device)
         except BackboneError as e:
             raise ConfigError(f"backbone: {e}") from None
         backbone.enable_query_cache(False)  # every run starts with an empty cache; pool methods opt in
-        b = cfg.backbone
-        eval_tf = ImageTransform(b.img_size, b.mean, b.std, b.interpolation)
+        eval_tf = eval_transform(cfg)
         # class names in logit order (CLIP methods build class texts from them); per task, since a real class may
         # own several logits (asynchronous scenarios)
         names = [""] * scenario.label_space.num_logits

@@ -17,6 +17,7 @@ from promptfcl.methods.capt.clustering import (
     complementarity,
     complementary_clusters,
     js_divergence,
+    normalise,
     pairwise_distance,
 )
 
@@ -388,3 +389,43 @@ def test_continual_extension_runs_class_incremental_and_is_refused_without_the_f
     assert exp.server.counts[:, list(new_classes)].sum() > 0  # π of task 1 comes from task 1's counts
     old = list(exp.scenario.label_space.tasks[0].logits)
     assert exp.server.counts[:, old].sum() == 0
+
+
+def test_the_prompt_free_pass_of_a_clip_model_is_zero_shot_clip(runtime) -> None:
+    """Inside `prompts_disabled()` a prompted ClipClassifier predicts exactly as zero-shot CLIP (template texts,
+    prompt-free image features): the validity gate's prompt benefit is then what the learned prompts add."""
+    import torch.nn.functional as F
+
+    model, clip = runtime.programs()[0].global_model(), runtime.env.backbone
+    assert model.prompted
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)  # prompts away from their init, so with and without differ
+    x = torch.rand(4, 3, 32, 32)
+    tokens = clip.tokenize([f"a photo of a {n.replace('_', ' ')}." for n in runtime.env.class_names])
+    text = F.normalize(clip.encode_text(clip.token_embeddings(tokens), tokens), dim=-1)
+    zero_shot = clip.logit_scale * F.normalize(clip.encode_image(x), dim=-1) @ text.t()
+    with torch.no_grad(), clip.prompts_disabled():
+        assert torch.allclose(model(x), zero_shot, atol=1e-4)
+    assert not torch.allclose(model(x), zero_shot, atol=1e-3)
+
+
+def test_cluster_gain_is_one_for_identical_groups_and_near_zero_for_random_ones() -> None:
+    from promptfcl.methods.capt.clustering import cluster_gain
+
+    d = normalise(np.array([[9, 1, 0], [9, 1, 0], [0, 1, 9], [0, 1, 9], [5, 0, 5], [5, 0, 5]], dtype=float))
+    dist = pairwise_distance(d, "js")
+    assert cluster_gain(dist, np.array([0, 0, 1, 1, 2, 2])) == pytest.approx(1.0)
+    assert cluster_gain(dist, np.array([0, 1, 2, 0, 1, 2])) < 0  # grouping unlike clients: worse than chance
+    assert cluster_gain(dist, np.array([0, 1, 2, 3, 4, 5])) is None  # no cluster holds two clients
+
+
+def test_capt_signals_fail_with_clustering_off_or_idle() -> None:
+    from promptfcl.evaluation.validity import RunEvidence
+    from promptfcl.methods.capt.signals import check_clustering, clustering_on
+
+    on = RunEvidence({"method": {"clustering": True}}, [{"sim_cluster_gain": 0.4}, {"sim_cluster_gain": 0.3}])
+    assert check_clustering(on).passed and clustering_on(on).passed
+    assert not check_clustering(RunEvidence({"method": {"clustering": True}}, [{"sim_cluster_gain": 0.01}])).passed
+    off = RunEvidence({"method": {"clustering": False}}, [])
+    assert not clustering_on(off).passed and check_clustering(off) is None

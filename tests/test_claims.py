@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from promptfcl.claims import claims_markdown, evaluate_claim, load_claims
+from promptfcl.claims import Control, claims_markdown, evaluate_claim, load_claims
 from promptfcl.cli import main
 from promptfcl.config import ConfigError
 from promptfcl.statistics.paired import paired_difference
@@ -27,32 +27,48 @@ def test_paired_difference_matches_a_hand_computed_interval() -> None:
         paired_difference({0: 1.0}, {0: 0.0})
 
 
-def _summary(tmp_path, a: list[float], b: list[float], invalid: dict | None = None) -> None:
+def run_dirs(study, cell: str, seeds, commit: str = "abc123", dirty: bool = False, helps: tuple | None = None) -> None:
+    """A cell's run directories as a study leaves them: scenario, environment (git) and, with `helps` = (gained,
+    lost), a metrics.json whose prompt_helps check has those paired counts."""
+    for seed in seeds:
+        d = study / cell / f"seed{seed}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "scenario.json").write_text(json.dumps({"seed": seed}))
+        (d / "environment.json").write_text(json.dumps({"git": {"commit": commit, "dirty": dirty}}))
+        if helps is not None:
+            checks = [{"name": "prompt_helps", "passed": True, "verdict": "?"}]
+            effect = {"gained": helps[0], "lost": helps[1]}
+            (d / "metrics.json").write_text(json.dumps({"validity": {"checks": checks}, "prompt_effect": effect}))
+
+
+def _summary(tmp_path, a: list[float], b: list[float], invalid: dict | None = None, **claim) -> None:
     rows = [
         {"cell": "new", "per_seed": {str(s): {"faa": v} for s, v in enumerate(a)}, "invalid": invalid or {}},
         {"cell": "old", "per_seed": {str(s): {"faa": v} for s, v in enumerate(b)}, "invalid": {}},
     ]
     (tmp_path / "study").mkdir(exist_ok=True)
     (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": rows}))
-    (tmp_path / "claims.yaml").write_text(
-        yaml.safe_dump(
-            {"claims": [{"id": "c", "paper": "P, Table 1", "study": "study", "better": "new", "worse": "old"}]}
-        )
-    )
+    for cell, values in (("new", a), ("old", b)):
+        run_dirs(tmp_path / "study", cell, range(len(values)))
+    base = {"id": "c", "paper": "P, Table 1", "study": "study", "better": "new", "worse": "old"}
+    (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [{**base, **claim}]}))
 
 
 @pytest.mark.parametrize(
-    ("a", "b", "invalid", "status"),
+    ("a", "b", "invalid", "claim", "status"),
     [
-        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, "reproduced"),
-        ([1, 2, 2, 1, 3], [5, 6, 7, 6, 5], None, "not reproduced"),
-        ([5, 1, 6, 2, 4], [3, 4, 3, 4, 3], None, "inconclusive"),
-        ([5, 6, 7], [1, 2, 2], None, "inconclusive"),  # 3 seeds < min_seeds 5
-        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": ["client_loss"]}, "invalid"),
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, {}, "reproduced"),
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, {"paper_delta": 4.0}, "reproduced, margin within the paper's"),
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, {"paper_delta": 1.0}, "reproduced, margin above the paper's"),
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], None, {"paper_delta": 9.0}, "reproduced, margin below the paper's"),
+        ([1, 2, 2, 1, 3], [5, 6, 7, 6, 5], None, {}, "not reproduced"),
+        ([5, 1, 6, 2, 4], [3, 4, 3, 4, 3], None, {}, "inconclusive"),
+        ([5, 6, 7], [1, 2, 2], None, {}, "inconclusive"),  # 3 seeds < min_seeds 5
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": ["client_loss"]}, {}, "invalid"),
     ],
 )
-def test_claim_status(tmp_path, a, b, invalid, status) -> None:
-    _summary(tmp_path, a, b, invalid)
+def test_claim_status(tmp_path, a, b, invalid, claim, status) -> None:
+    _summary(tmp_path, a, b, invalid, **claim)
     claims, base = load_claims(tmp_path / "claims.yaml")
     result = evaluate_claim(claims.claims[0], base, claims.min_seeds)
     assert result["status"] == status
@@ -60,6 +76,38 @@ def test_claim_status(tmp_path, a, b, invalid, status) -> None:
     assert f"**{status}**" in text and "`new` vs `old`" in text
     if invalid:
         assert "seed 2 failed the validity gate: client_loss" in text
+    for name in ("reproduced, margin within the paper's", "not reproduced", "inconclusive", "invalid"):
+        assert f"- **{name}**: " in text  # the page defines its statuses
+
+
+def test_paired_runs_must_come_from_one_clean_commit(tmp_path) -> None:
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
+    run_dirs(tmp_path / "study", "old", [3], commit="def456", dirty=True)
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "invalid" and "2 commit(s) and 1 run(s) with uncommitted changes" in result["reason"]
+    claims.claims[0].provenance_note = "seed 3 of old changed only the docs"
+    assert evaluate_claim(claims.claims[0], base)["status"] == "reproduced"
+
+
+def test_a_claim_is_not_reproduced_on_an_idle_mechanism_or_an_inert_peer(tmp_path) -> None:
+    """The ordering holds, but the worse cell's prompt is neutral (pooled McNemar), or the worse cell does not beat
+    its own head-only control: inconclusive, with the reason."""
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
+    run_dirs(tmp_path / "study", "old", range(5), helps=(10, 9))  # pooled 50 vs 45: neutral
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "inconclusive" and "old's prompt_helps is neutral" in result["reason"]
+    run_dirs(tmp_path / "study", "old", range(5), helps=(30, 5))
+    assert evaluate_claim(claims.claims[0], base)["status"] == "reproduced"
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+    rows.append({"cell": "head", "per_seed": {str(s): {"faa": v} for s, v in enumerate([1, 2, 3, 1, 2])},
+                 "invalid": {}})  # fmt: skip
+    (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": rows}))
+    run_dirs(tmp_path / "study", "head", range(5))
+    claims.claims[0].controls = [Control(study="study", cell="head", role="head_only")]
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "inconclusive" and "does not beat its head-only control" in result["reason"]
 
 
 def test_a_claim_that_cannot_be_evidenced_here_is_invalid_with_its_reason(tmp_path) -> None:
@@ -88,9 +136,7 @@ def test_worse_study_pairs_across_studies_and_refuses_different_scenarios(tmp_pa
         rows = [{"cell": cell, "per_seed": {str(s): {"faa": v} for s, v in enumerate(values)}, "invalid": {}}]
         (tmp_path / study).mkdir()
         (tmp_path / study / "summary.json").write_text(json.dumps({"rows": rows}))
-        for s in range(5):
-            (tmp_path / study / cell / f"seed{s}").mkdir(parents=True)
-            (tmp_path / study / cell / f"seed{s}" / "scenario.json").write_text(json.dumps({"seed": s}))
+        run_dirs(tmp_path / study, cell, range(5))
     claim = {"id": "c", "paper": "P", "study": "head", "worse_study": "peers", "better": "new", "worse": "old"}
     (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [claim]}))
     claims, base = load_claims(tmp_path / "claims.yaml")
@@ -116,9 +162,7 @@ def test_controls_are_shown_beside_the_pair_with_the_better_cells_paired_lead(tm
         (tmp_path / study).mkdir()
         (tmp_path / study / "summary.json").write_text(json.dumps({"rows": rows}))
         for c in cells:
-            for seed in range(5):
-                (tmp_path / study / c / f"seed{seed}").mkdir(parents=True)
-                (tmp_path / study / c / f"seed{seed}" / "scenario.json").write_text(json.dumps({"seed": seed}))
+            run_dirs(tmp_path / study, c, range(5))
     claim = {"id": "c", "paper": "P", "study": "head", "better": "new", "worse": "old",
              "controls": [{"study": "ctl", "cell": "head_only", "label": "head only"},
                           {"study": "ctl", "cell": "probe", "metric": "probe_linear"}]}  # fmt: skip
@@ -126,12 +170,13 @@ def test_controls_are_shown_beside_the_pair_with_the_better_cells_paired_lead(tm
     claims, base = load_claims(tmp_path / "claims.yaml")
     result = evaluate_claim(claims.claims[0], base)
     head_only, probe = result["controls"]
-    assert head_only["diff"].differences == [1, 2, 3, 2, 1] and head_only["diff"].mean == pytest.approx(1.8)
+    # seed 2 of the control failed the gate: its interval uses the valid seeds only
+    assert head_only["diff"].differences == [1, 2, 2, 1] and head_only["diff"].mean == pytest.approx(1.5)
     assert probe["diff"] is None and probe["values"] == {0: 40.0, 1: 42.0}
     text = claims_markdown(claims, base, "claims.yaml")
     d = head_only["diff"]
     assert (
-        f"| head only (`head_only`) | `ctl` | faa | 4.00 ± 0.00 | 4/5 | +1.80 [{d.low:+.2f}, {d.high:+.2f}] | 5/5 |"
+        f"| head only (`head_only`) | `ctl` | faa | 4.00 ± 0.00 | 4/5 | +1.50 [{d.low:+.2f}, {d.high:+.2f}] | 4/4 |"
         in text
     )
     assert "| `probe` | `ctl` | probe_linear | 41.00 ± 1.41 | 2/2 | – | – |" in text

@@ -181,9 +181,9 @@ def test_show_lists_every_hyper_parameter_as_a_config_key(capsys) -> None:
 def test_show_names_the_scenario_kinds_and_refuses_unknown_methods(capsys) -> None:
     assert main(["show", "fedmgp"]) == 0
     assert "scenario kinds: personalized" in capsys.readouterr().out
-    assert main(["show", "ccvr"]) == 0  # its parameters' own module first, then the shared programs' module
-    assert re.search(r"source: promptfcl/methods/ccvr\S* \(parameters\); \S+ \(server program, client program\)",
-                     capsys.readouterr().out)  # fmt: skip
+    assert main(["show", "ccvr"]) == 0  # its own folder first, then the shared programs' module
+    source = r"source: promptfcl/methods/ccvr\S* \(method, parameters\); \S+ \(server program, client program\)"
+    assert re.search(source, capsys.readouterr().out)
     assert main(["show", "hgpp"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'hgpp'" in err and "Did you mean 'hgp'?" in err and "Traceback" not in err

@@ -80,6 +80,58 @@ def test_transform_resizes_normalises_and_augments_deterministically() -> None:
     assert torch.allclose(flipped, ImageTransform(16)(sym), atol=1e-5)
 
 
+def reference_crop_sides(tf: ImageTransform, b: int, gen: torch.Generator) -> torch.Tensor:
+    """torchvision's RandomResizedCrop size rule, one image and one draw at a time (on `crop_sides`' random numbers):
+    the first of 10 (area, ratio) draws whose crop fits the image, else the whole image."""
+    area = tf.rrc_scale[0] + (tf.rrc_scale[1] - tf.rrc_scale[0]) * torch.rand(b, 10, generator=gen)
+    lo, hi = np.log(tf.rrc_ratio[0]), np.log(tf.rrc_ratio[1])
+    ratio = torch.exp(lo + (hi - lo) * torch.rand(b, 10, generator=gen))
+    out = torch.ones(b, 2)
+    for i in range(b):
+        for j in range(10):
+            w, h = float((area[i, j] * ratio[i, j]).sqrt()), float((area[i, j] / ratio[i, j]).sqrt())
+            if w <= 1 and h <= 1:
+                out[i] = torch.tensor([w, h])
+                break
+    return out
+
+
+def test_random_resized_crop_draws_torchvisions_crop_sizes() -> None:
+    tf = ImageTransform(32, augment="rrc_flip", rrc_scale=(0.9, 1.0))  # large areas: many draws do not fit
+    sides = tf.crop_sides(4000, torch.Generator().manual_seed(0))
+    assert torch.allclose(sides, reference_crop_sides(tf, 4000, torch.Generator().manual_seed(0)))
+    fallback = (sides == 1).all(1).float().mean()
+    assert 0.02 < fallback < 0.5  # some images find no fitting draw in 10 and take the whole image
+    area, ratio = sides.prod(1), sides[:, 0] / sides[:, 1]
+    assert area.min() >= 0.9 - 1e-6 and area.max() <= 1 + 1e-6
+    assert ratio.min() >= 3 / 4 - 1e-6 and ratio.max() <= 4 / 3 + 1e-6
+
+
+def test_random_resized_crop_crops_inside_the_image_resizes_and_flips() -> None:
+    """On coordinate ramps (red = x, green = y), each output spans exactly its drawn crop: the ramp's range across
+    the output is the crop side, its direction the flip, its centre the crop's position — always inside the image."""
+    s = 64
+    ramp = torch.arange(s, dtype=torch.float64) / (s - 1)
+    img = torch.stack([ramp.expand(s, s), ramp[:, None].expand(s, s), torch.zeros(s, s)])
+    imgs = (img * 255).round().to(torch.uint8).expand(500, 3, s, s)
+    tf = ImageTransform(s, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), augment="rrc_flip")
+    out = tf(imgs, torch.Generator().manual_seed(3)).double()
+    gen = torch.Generator().manual_seed(3)
+    flip = torch.rand(500, generator=gen) < 0.5  # the draws in the transform's order: flip, sizes, position
+    sides = tf.crop_sides(500, gen)
+    x_range = (out[:, 0, :, -1] - out[:, 0, :, 0]).mean(1)  # left-to-right change of the x ramp
+    y_range = (out[:, 1, -1, :] - out[:, 1, 0, :]).mean(1)
+    assert torch.allclose(x_range.abs(), sides[:, 0].double(), atol=0.02)
+    assert torch.allclose(y_range, sides[:, 1].double(), atol=0.02)
+    assert torch.equal(x_range < 0, flip)  # a flipped crop runs right to left
+    assert out[:, :2].min() >= -1e-6 and out[:, :2].max() <= 1 + 1e-6
+    centre_x = out[:, 0].mean((1, 2))  # inside the image: the crop's centre leaves room for its half side
+    assert (centre_x >= sides[:, 0] / 2 - 0.02).all() and (centre_x <= 1 - sides[:, 0] / 2 + 0.02).all()
+    assert float(centre_x.std()) > 0.05  # and it moves around
+    again = tf(imgs, torch.Generator().manual_seed(3))
+    assert torch.equal(again.double(), out)  # from the generator alone
+
+
 @pytest.mark.assets
 def test_real_cifar100_matches_the_official_release(assets_dir) -> None:
     folder = assets_dir / "cifar-100-python"

@@ -96,7 +96,7 @@ def test_server_receives_only_parameters_and_class_statistics(tmp_path) -> None:
         for cid, reply in replies.items():
             stats_names = {n for n in reply.tensors if n not in params}
             assert stats_names == {"stats/classes", "stats/counts", "stats/means", "stats/spread"}
-            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "chance_loss"}
+            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "chance_loss", "prior_loss"}
             s = ClassStatistics.from_tensors(reply.tensors)
             # exactly the client's classes with >= 2 samples, their true counts, one d-vector each
             idx = exp.scenario.client_indices(task, cid)
@@ -243,3 +243,41 @@ def test_hgp_inflates_diagonal_variances_and_full_covariances_only_when_asked(
     expect = inflation * (cov if covariance == "full" else torch.diag(cov.diagonal())).double()
     err = float((got - expect).abs().max())
     assert torch.allclose(got, expect, atol=0.05 * inflation), f"sampled covariance is {err:.2f} off {inflation}×Σ"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_cosine", "local_lr"])
+def test_rebalance_optimizer_local_lr_is_sgd_at_the_local_lr_without_a_schedule(optimizer: str, monkeypatch) -> None:
+    """`rebalance_optimizer: local_lr` (the later fed-mammoth code): the head is rebalanced by SGD at the clients' lr
+    with no schedule (momentum as configured); the paper's `sgd_cosine` anneals the calibration lr 0.01 to 0."""
+    cfg = tiny_config(method=method("hgp", rebalance_optimizer=optimizer, lr=0.02))
+    server = Runtime.build(cfg).programs()[0]
+    d = server.env.backbone.embed_dim
+    stats = ClassStatistics(torch.tensor([0, 1]), torch.tensor([20, 20]), torch.randn(2, d), torch.ones(2, d))
+    server.components = GaussianComponents.empty(d, False).replace_task(0, [stats])
+    lrs: list[tuple[float, float]] = []
+    step = torch.optim.SGD.step
+
+    def recording_step(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        lrs.append((self.param_groups[0]["lr"], self.param_groups[0]["momentum"]))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", recording_step)
+    server.rebalance(0, torch.Generator().manual_seed(0))
+    assert len(lrs) == 5 * 2  # 5 epochs × ⌈256·2 / 256⌉ steps
+    assert all(m == 0.9 for _, m in lrs)
+    if optimizer == "local_lr":
+        assert all(lr == 0.02 for lr, _ in lrs)
+    else:
+        assert lrs[0][0] == 0.01 and all(a[0] > b[0] for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+@pytest.mark.parametrize("weights", ["counts", "uniform"])
+def test_hgp_class_weights_choose_how_often_each_class_is_sampled(weights: str) -> None:
+    """`class_weights`: ω_c ∝ the class's clients' sample counts (paper Eq. 6) or uniform (the code's TODO)."""
+    server = Runtime.build(tiny_config(method=method("hgp", class_weights=weights))).programs()[0]
+    d = server.env.backbone.embed_dim
+    stats = ClassStatistics(torch.tensor([0, 1]), torch.tensor([10, 90]), torch.zeros(2, d), torch.ones(2, d))
+    server.components = GaussianComponents.empty(d, False).replace_task(0, [stats])
+    _, labels = server.sampler(torch.tensor([0, 1])).sample(20_000, torch.Generator().manual_seed(0))
+    share = float((labels == 0).double().mean())
+    assert share == pytest.approx(0.1 if weights == "counts" else 0.5, abs=0.02)

@@ -10,7 +10,7 @@ from promptfcl.backbones import build_vit
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, RoundInfo
-from promptfcl.methods.lorm import GRAM, LoRMClient, LoRMServer
+from promptfcl.methods.lorm import GRAM, LoRMClient, LoRMParams, LoRMServer
 from promptfcl.methods.lorm.regmean import regmean
 from promptfcl.runtime import Runtime
 
@@ -230,3 +230,94 @@ def test_run_alternates_factors_and_sends_what_the_merge_needs(tmp_path) -> None
     assert all(r["failures"] == [] for r in rounds)
     assert all(r["loss"] < 1.0 for r in rounds if r["round"] == 1)  # ln 3 ≈ 1.10: the tasks are learned
     assert exp.state["accuracy_matrix"][0][0] > 50  # above chance (33 %) on the first task
+
+
+def test_head_solve_inverse_equals_pinv_and_refuses_a_singular_gram(runtime: Runtime) -> None:
+    """`head_solve`: the code's `torch.inverse` head merge agrees with the pseudo-inverse on an invertible Gram sum;
+    on a singular one (a feature no client's data reaches) it stops with a message, where pinv gives that column 0."""
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(30, 6, generator=gen).double() for _ in range(3)]
+    ws = [torch.randn(4, 6, generator=gen) for _ in xs]
+    grams = [x.T @ x for x in xs]
+    assert torch.allclose(regmean(ws, grams, "inverse"), regmean(ws, grams, "pinv"), atol=1e-5)
+    for x in xs:
+        x[:, 2] = 0  # feature 2 never varies
+    grams = [x.T @ x for x in xs]
+    with pytest.raises(ValueError, match="head_solve: pinv"):
+        regmean(ws, grams, "inverse")
+    merged = regmean(ws, grams, "pinv")
+    assert torch.isfinite(merged).all() and torch.allclose(merged[:, 2], torch.zeros(4), atol=1e-10)
+    # the server's head merge follows the switch
+    d = runtime.env.backbone.embed_dim
+    for solve in ("pinv", "inverse"):
+        server, _ = runtime.programs()
+        server.params = server.params.model_copy(update={"head_solve": solve})
+        server.begin_stage(0)
+        sites = [site_key(s) for s in server.adapter.sites]
+        dims = {k: server.model.state_dict()[f"prompt.a.{k}"].shape[1] for k in sites}
+        inputs = [{**{k: torch.randn(40, dims[k], generator=gen) for k in sites}, "head": xh} for xh in
+                  [torch.randn(2 * d, d, generator=gen) for _ in range(2)]]  # fmt: skip
+        for inp in inputs:
+            inp["head"][:, 0] = 0  # a feature dimension that never varies: the head Gram sum is singular
+        replies = {c: fake_reply(server, "B", gen, inputs[c], 10) for c in range(2)}
+        if solve == "inverse":
+            with pytest.raises(ValueError, match="singular"):
+                server.merge_clients(replies, "B")
+        else:
+            server.merge_clients(replies, "B")
+            assert torch.isfinite(server.model.get_state()["head.weight"]).all()
+
+
+def lorm_client(runtime: Runtime, **params) -> LoRMClient:
+    _, client = runtime.programs()
+    assert isinstance(client, LoRMClient)
+    client.params = client.params.model_copy(update=params)
+    return client
+
+
+def client_grams(runtime: Runtime, client: LoRMClient, seed: int = 0) -> dict[str, torch.Tensor]:
+    server, _ = runtime.programs()
+    server.begin_stage(0)
+    state = server.model.get_state()
+    client.model.set_state(state)
+    data = LabeledSubset.of(runtime.dataset.train, list(range(0, 40, 2)), torch.arange(6))
+    ctx = ClientContext(0, 0, 0, Record(), data, seed, torch.device("cpu"))
+    return client.grams(client.model, Message(dict(state)), ctx)
+
+
+def test_gram_images_train_pass_the_data_through_the_training_augmentation(runtime: Runtime) -> None:
+    """`gram_images: train` (the code): the Grams see the client's augmentation, drawn from its own seed; with no
+    augmentation they are the eval Grams. `gram_passes` (the code's `regmean_rounds`) adds passes."""
+    base = client_grams(runtime, lorm_client(runtime))
+    none = client_grams(runtime, lorm_client(runtime, gram_images="train", augment="none"))
+    flip = client_grams(runtime, lorm_client(runtime, gram_images="train", augment="flip"))
+    flip_again = client_grams(runtime, lorm_client(runtime, gram_images="train", augment="flip"))
+    flip_other = client_grams(runtime, lorm_client(runtime, gram_images="train", augment="flip"), seed=1)
+    for k in base:
+        assert torch.allclose(none[k], base[k], rtol=1e-6), k
+        assert torch.equal(flip[k], flip_again[k]), k  # a function of the client's seed
+    assert any(not torch.allclose(flip[k], base[k], rtol=1e-3) for k in base)  # flipped images: other Grams
+    assert any(not torch.equal(flip[k], flip_other[k]) for k in base)  # another seed, other flips
+    twice = client_grams(runtime, lorm_client(runtime, gram_passes=2))
+    for k in base:  # the eval transform: a second pass adds the same Gram again
+        assert torch.allclose(twice[k], 2 * base[k], rtol=1e-5), k
+
+
+def test_weight_decay_default_leaves_the_old_tasks_head_rows_alone(runtime: Runtime) -> None:
+    """`weight_decay` 0 (every released command): training task 1 leaves task 0's head rows (no gradient under the
+    current-task CE) where they were; the code's default 0.1 shrinks them through AdamW's decoupled decay."""
+    assert LoRMParams().weight_decay == 0.0
+    server, _ = runtime.programs()
+    server.begin_stage(1)
+    state = server.model.get_state()
+    state["head.weight"] = torch.randn(state["head.weight"].shape, generator=torch.Generator().manual_seed(0))
+    old = torch.tensor(runtime.scenario.label_space.tasks[0].logits)
+    data = LabeledSubset.of(runtime.dataset.train, runtime.scenario.client_indices(1, 0)[:16],
+                            runtime.scenario.label_space.class_to_logit)  # fmt: skip
+    moved = {}
+    for wd in (0.0, 0.1):
+        client = lorm_client(runtime, weight_decay=wd, local_epochs=1)
+        ctx = ClientContext(0, 1, 0, Record(), data, 0, torch.device("cpu"), 1)
+        reply = client.handle(Message(dict(state), {"factor": "B", "task": 1, "round": 0}, kind="train"), ctx)
+        moved[wd] = float((reply.tensors["head.weight"][old] - state["head.weight"][old]).abs().max())
+    assert moved[0.0] == 0.0 and moved[0.1] > 0

@@ -136,3 +136,24 @@ def test_hepco_clients_follow_kappa_gamma_and_the_applied_long_tail(imbalance: f
     assert len(class_sets) > 10  # clients differ
     again = build_class_incremental(cfg, y_train, y_test, 20, seed=3)
     assert all(np.array_equal(a, b) for a, b in zip(s.client_train[1], again.client_train[1], strict=True))
+
+
+def test_hepco_apply_imbalance_false_is_the_official_codes_data() -> None:
+    """`partition.apply_imbalance: false` (hepco-fed's data, whose β line is commented out): every kept class keeps
+    its γ fraction whatever β is — the very partition of β = 1 — while true subsamples to the β profile."""
+    y_train, y_test = labels(20, 100), labels(20, 10)
+
+    def build(imbalance: float, apply: bool) -> Scenario:
+        part = {"kind": "hepco", "split_ratio": 0.1, "imbalance": imbalance, "apply_imbalance": apply}
+        cfg = ScenarioConfig(num_tasks=2, num_clients=5, rounds_per_task=2, partition=part)
+        return build_class_incremental(cfg, y_train, y_test, 20, seed=1)
+
+    code, paper, flat = build(0.05, False), build(0.05, True), build(1.0, True)
+    for t in range(2):
+        for k in range(10):
+            assert np.array_equal(code.client_indices(t, k), flat.client_indices(t, k))
+            counts = np.unique(y_train[code.client_indices(t, k)], return_counts=True)[1]
+            assert counts.tolist() == [10] * 6  # γ = 0.1 of 100 images in each of the 6 kept classes
+            tail = np.unique(y_train[paper.client_indices(t, k)], return_counts=True)[1]
+            assert sorted(tail.tolist()) == sorted(math.ceil(10 * 0.05 ** (j / 5)) for j in range(6))
+    assert ScenarioConfig().partition.apply_imbalance  # the paper's setting by default

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.evaluator import TaskResult
 from promptfcl.evaluation.metrics import accuracy_curve, spatial_retention, summarize, temporal_retention
@@ -58,7 +58,7 @@ def count_correct(
     """[correct, total] of `predict` on `data` with the logits outside `mask` set to -inf."""
     mask = mask.to(device)
     correct = 0
-    for x, y in data.batches(batch_size, transform, device=device):
+    for x, y in data.batches(nograd_batch(device, batch_size), transform, device=device):
         correct += int((masked_logits(predict(x, task), mask).argmax(dim=1) == y).sum())
     return [correct, len(data)]
 
@@ -115,10 +115,10 @@ def prompt_effect_counts(
     space, effect = ctx.space(env), PromptEffect()
     for t in tasks:
         mask = space.mask(space.tasks[t].logits)
-        data = ctx.local_test(t).batches(batch_size, env.eval_transform, device=ctx.device)
+        data = ctx.local_test(t).batches(nograd_batch(ctx.device, batch_size), env.eval_transform, device=ctx.device)
         batches = ((x, y, mask) for x, y in data)
         compare_predict(lambda x, t=t: predict(x, t), env.backbone, batches, effect)
-    return {k: effect.__dict__[k] for k in ("total", "changed", "correct_on", "correct_off")}
+    return {k: effect.__dict__[k] for k in ("total", "changed", "correct_on", "correct_off", "gained", "lost")}
 
 
 @dataclass

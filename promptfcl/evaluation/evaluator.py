@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from promptfcl.data.base import ImageSplit
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.scenario import Scenario
@@ -44,7 +44,7 @@ class Evaluator:
     ) -> None:
         self.scenario = scenario
         self.transform = transform
-        self.batch_size = batch_size
+        self.batch_size = nograd_batch(device, batch_size)  # eval.batch_size, or the CPU's no-grad batch
         self.device = device
         self.regime = regime
         self.per_class = per_class  # tally per real class (head/mid/tail accuracy)

@@ -3,7 +3,10 @@
 Each test batch goes through the model twice: as it is, and inside `FrozenViT.prompts_disabled()`, where the
 frozen backbone ignores every prompt and adapter and gives exactly its prompt-free output while the head (and
 everything else) stays. Counted: predictions that change, accuracy with and without prompts, and — when the model
-exposes `features` and `head` — the mean 1 − cos between the prompted and prompt-free features.
+exposes `features` and `head` — the mean 1 − cos between the prompted and prompt-free features. Whether the
+prompts *help* is a paired question on the same images: `gained` images are right only with them, `lost` ones only
+without; McNemar's exact test (a two-sided binomial test of gained vs lost, `mcnemar`) classifies the component as
+helps / neutral / hurts at `BENEFIT_P`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from promptfcl.scenario.label_space import masked_logits
+
+BENEFIT_P = 0.05  # McNemar's two-sided p below which a component helps (more gained) or hurts (more lost)
+
+
+def mcnemar(gained: int, lost: int) -> tuple[float, str]:
+    """McNemar's exact test of a component on paired predictions: p of a two-sided binomial test of `gained`
+    (right only with it) against `lost` (right only without) at 1/2, and the verdict helps / neutral / hurts."""
+    from scipy.stats import binomtest
+
+    n = gained + lost
+    if n == 0:
+        return 1.0, "neutral"
+    p = float(binomtest(gained, n, 0.5).pvalue)
+    if p < BENEFIT_P:
+        return p, "helps" if gained > lost else "hurts"
+    return p, "neutral"
 
 
 def prompt_effect_applies(model: nn.Module) -> bool:
@@ -51,6 +70,8 @@ class PromptEffect:
     changed: int = 0
     correct_on: int = 0
     correct_off: int = 0
+    gained: int = 0  # right with the component, wrong without
+    lost: int = 0  # wrong with the component, right without
     shift_sum: float = 0.0
     shift_n: int = 0
 
@@ -59,6 +80,8 @@ class PromptEffect:
         self.changed += int((on != off).sum())
         self.correct_on += int((on == y).sum())
         self.correct_off += int((off == y).sum())
+        self.gained += int(((on == y) & (off != y)).sum())
+        self.lost += int(((on != y) & (off == y)).sum())
 
     def add_counts(self, counts: dict[str, int | float]) -> None:
         for k, v in counts.items():
@@ -66,6 +89,7 @@ class PromptEffect:
 
     def as_dict(self, applicable: bool = True) -> dict[str, float | int | bool | None]:
         pct = 100.0 / self.total if self.total else float("nan")
+        p, verdict = mcnemar(self.gained, self.lost)
         return {
             "applicable": applicable,
             "images": self.total,
@@ -73,6 +97,10 @@ class PromptEffect:
             "accuracy": self.correct_on * pct,
             "accuracy_off": self.correct_off * pct,
             "feature_shift": self.shift_sum / self.shift_n if self.shift_n else None,
+            "gained": self.gained,
+            "lost": self.lost,
+            "mcnemar_p": p,
+            "verdict": verdict,
         }
 
 
@@ -133,6 +161,22 @@ def compare_predict(
         on = predict(x)
         with backbone.prompts_disabled():
             off = predict(x)
+        mask = mask.to(on.device)
+        effect.add_predictions(masked_logits(on, mask).argmax(1), masked_logits(off, mask).argmax(1), y)
+    return effect
+
+
+@torch.no_grad()
+def compare_ablation(
+    model: nn.Module, ablated: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> PromptEffect:
+    """The same counts for a server-side component: `model` against `ablated`, the same model with that component
+    taken out (e.g. HGP's head before rebalancing), on the same batches."""
+    effect = PromptEffect()
+    model.eval()
+    ablated.eval()
+    for x, y, mask in batches:
+        on, off = model(x), ablated(x)
         mask = mask.to(on.device)
         effect.add_predictions(masked_logits(on, mask).argmax(1), masked_logits(off, mask).argmax(1), y)
     return effect

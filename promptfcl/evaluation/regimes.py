@@ -37,12 +37,12 @@ from torch import nn
 from promptfcl.config import ConfigError, EvalConfig
 from promptfcl.data.base import ImageSplit
 from promptfcl.data.domains import ImageDomain
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
-from promptfcl.evaluation.prompt_effect import PromptEffectTally
+from promptfcl.evaluation.prompt_effect import PromptEffectTally, compare_ablation
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
 from promptfcl.evaluation.validity import LearnedTask
 from promptfcl.federation.protocol import Grid, ServerProgram
@@ -94,10 +94,16 @@ class ClassIncrementalRegime(ServerSideRegime):
             state["total"] = [r.total for r in results]
             if self.class_groups is not None:
                 state["class_groups"] = entry["class_groups"]
-            tally = self.prompt_effect_tally() if task == len(self.evaluator.subsets) - 1 else None
+            final = task == len(self.evaluator.subsets) - 1
+            tally = self.prompt_effect_tally() if final else None
             if tally is not None:
                 tally.add(server.global_model(), self.batches(task))
                 state["prompt_effect"] = tally.result()
+            if final:
+                state["ablations"] = {
+                    name: compare_ablation(server.global_model(), ablated, self.batches(task)).as_dict()
+                    for name, ablated in server.ablations().items()
+                }
         return entry
 
     def batches(self, after: int) -> Any:
@@ -143,7 +149,7 @@ class SlotEvaluator:
         self, test: ImageSplit, scenario: Scenario, transform: ImageTransform, batch_size: int, device: torch.device
     ) -> None:
         self.test, self.scenario, self.transform = test, scenario, transform
-        self.batch_size, self.device = batch_size, device
+        self.batch_size, self.device = nograd_batch(device, batch_size), device
 
     def domain(self, g: int) -> ImageDomain | None:
         """The image domain label-space task g is tested in: its owner client's."""

@@ -1,24 +1,36 @@
-"""The validity gate: does a finished run carry the evidence that it trained and that its mechanism was active?
+"""The validity gate: does a finished run carry the evidence that it learned, and that its mechanism was active?
 
-A comparison between methods only counts when each run demonstrably learned and the component under test did
-something. Every run's `metrics.json` gets a `validity` block, `{"valid": bool, "checks": [...]}`, each check
-`{name, value, threshold, passed, detail}`; studies flag cells with a failing seed and claims built on them are
-`invalid` (`promptfcl.claims`). The checks, and why each threshold:
+A comparison between methods only counts when each run demonstrably learned and the component under test did its
+job. Every run's `metrics.json` gets a `validity` block, `{"valid": bool, "checks": [...]}`, each check
+`{name, value, threshold, passed, detail, verdict}`; studies flag cells with a failing seed and claims built on
+them are `invalid` (`promptfcl.claims`). The generic checks, and why each threshold:
 
 - `backbone_pretrained`: the frozen backbone loaded weights (a random-init backbone tests mechanics, not methods).
 - `client_loss`: at the last round of every task, the clients' mean final-epoch training loss is at most
-  `LOSS_FRACTION` × ln K, K the logits that compete in their CE (ln K is the loss of a uniform guess). The
-  final epoch's mean, not one batch, so a 1-image tail batch cannot decide it.
+  `LOSS_FRACTION` × their mean *label-prior loss* (`prior_loss`: the entropy of each client's own labels in the
+  task, the loss of always predicting its label frequencies). A model that learned only each client's label prior
+  scores a ratio of 1; ln K would let it pass under label skew (at Dirichlet β = 0.05 a client's label entropy is
+  0.3–0.6 · ln 10). Tasks whose clients each hold a single class have nothing to learn locally and are skipped.
+  The final epoch's mean, not one batch, so a 1-image tail batch cannot decide it.
 - `learned_tasks`: every task's accuracy right after it is learned is above chance (chance = 1 / the classes that
-  compete for its test images: the task's classes task-aware, else the task's classes too — a model that only
-  knows "the newest task" scores that) with a one-sided binomial p below `CHANCE_P`.
-- `prompt_effect`: removing every prompt (and adapter) from the final model — `FrozenViT.prompts_disabled()`,
-  which yields the frozen prompt-free forward exactly — changes at least `MIN_CHANGED` % of its test predictions.
-  Also reported: accuracy with and without prompts and the mean 1 − cos between prompted and prompt-free features.
-  Not applicable to head-only models (no prompt parameters).
-- method signals: each method declares its own checks (`register_method(signals=...)`, kept in the method's
-  folder); each reads the run's evidence (usually series from the round log, `series`) and returns a `Check`,
-  or None when the run carries no such evidence (a method that does not log a signal is not held to it).
+  compete for its test images) with a one-sided binomial p below `CHANCE_P`, *and* at least `LEARN_FLOOR` × chance.
+  The floor is what "learned" means: with 200 test images a 10-class task at 17.5 % is significantly above 10 %,
+  yet four of five of its predictions are wrong; twice chance is the least a model that tells the task's classes
+  apart should reach.
+- `parameters_moved`: every group of trained tensors the server holds (`prompt`, `head`, `adapter`, … — the
+  `move/<group>` the loop logs each round, ‖Δw‖ / ‖w‖ over the round) moved at least `MIN_MOVE` in total over the
+  run: a component that never left its initial value was not trained, whatever its output.
+- `prompt_benefit`: the final model(s) run again inside `FrozenViT.prompts_disabled()` (prompts and adapters
+  gone, exactly the frozen forward) on the same test images; McNemar's exact test of the images right only with
+  them (`gained`) against those right only without (`lost`) classifies them as helps / neutral / hurts
+  (`evaluation.prompt_effect.mcnemar`). Prompts that significantly *hurt* fail; neutral ones pass the gate but are
+  recorded (a claim needs its mechanism to help: `promptfcl.claims`). Not applicable to head-only models.
+- method signals: each method declares its own checks (`register_method(signals=...)`, kept in its folder), at
+  least one for its defining mechanism, which must fail when that mechanism is switched off. Each reads the run's
+  evidence (`RunEvidence`: config, round log, tasks learned, prompt effect, component ablations) and returns a
+  `Check`, or None when it does not apply. The builders below serve the common cases: `switch_on` (the defining
+  switch is on), `prompt_helps` (the prompts help, for methods whose mechanism is the prompt), `component_helps`
+  (a server-side component helps: the regime compares the final model with the server's `ablations()`).
 """
 
 from __future__ import annotations
@@ -30,18 +42,21 @@ from typing import Any
 
 LOSS_FRACTION = 0.5
 CHANCE_P = 1e-3
-MIN_CHANGED = 5.0
+LEARN_FLOOR = 2.0  # × chance
+MIN_MOVE = 1e-3  # summed relative move of a tensor group over the run
 
 
 @dataclass
 class Check:
-    """One piece of evidence: its value, the threshold it is held to, and whether it passed."""
+    """One piece of evidence: its value, the threshold it is held to, whether it passed, and for a component's
+    paired test its verdict (helps / neutral / hurts)."""
 
     name: str
     value: float | None
     threshold: str
     passed: bool
     detail: str = ""
+    verdict: str | None = None
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:
@@ -72,6 +87,26 @@ class LearnedTask:
     chance: float  # percent
 
 
+@dataclass
+class RunEvidence:
+    """What a finished run offers the gate: its config (as JSON), its round log, each task's accuracy right after
+    it was learned, the prompt-effect measurement of its final model(s) and the server's component ablations
+    (`{name: the same measurement with that component taken out}`)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    learned: list[LearnedTask] = field(default_factory=list)
+    prompt_effect: dict[str, Any] | None = None
+    ablations: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def method(self) -> dict[str, Any]:
+        """The run's method section."""
+        return dict(self.config.get("method") or {})
+
+
+Signal = Callable[[RunEvidence], Check | None]
+
+
 def check_backbone(cfg: dict[str, Any]) -> Check:
     b = cfg.get("backbone", {})
     ok = bool(b.get("weights")) or bool(b.get("pretrained"))
@@ -79,19 +114,19 @@ def check_backbone(cfg: dict[str, Any]) -> Check:
 
 
 def check_client_loss(rounds: list[dict[str, Any]]) -> Check | None:
-    """Final-epoch client loss against ln K at the last round of every task."""
+    """Final-epoch client loss against the clients' label-prior loss at the last round of every task."""
     last: dict[int, dict[str, Any]] = {}
     for r in rounds:
         last[r["task"]] = r
-    pairs = [(r["last_loss"], r["chance_loss"]) for r in last.values() if r.get("last_loss") is not None]
-    pairs = [(a, b) for a, b in pairs if b and b > 0]
+    pairs = [(r["last_loss"], r.get("prior_loss")) for r in last.values() if r.get("last_loss") is not None]
+    pairs = [(a, b) for a, b in pairs if b is not None and b > 1e-9]
     if not pairs:
         return None
     worst = max(a / b for a, b in pairs)
     return Check(
         "client_loss",
         worst,
-        f"≤ {LOSS_FRACTION} (final-epoch loss / ln K, worst task)",
+        f"≤ {LOSS_FRACTION} (final-epoch loss / label-prior loss, worst task)",
         worst <= LOSS_FRACTION,
         ", ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs),
     )
@@ -105,30 +140,58 @@ def check_learned_tasks(tasks: list[LearnedTask]) -> Check | None:
         for t in tasks
     ]
     worst = max(ps)
+    floor_ok = all(t.accuracy >= LEARN_FLOOR * t.chance for t in tasks)
     detail = [f"{t.accuracy:.1f}/{t.chance:.1f}" for t in tasks]
     return Check(
         "learned_tasks",
         worst,
-        f"binomial p < {CHANCE_P:g} for every task (accuracy right after it / chance)",
-        worst < CHANCE_P,
+        f"binomial p < {CHANCE_P:g} and accuracy ≥ {LEARN_FLOOR:g} × chance for every task (right after it)",
+        worst < CHANCE_P and floor_ok,
         ", ".join(detail),
     )
 
 
-def check_prompt_effect(effect: dict[str, Any] | None) -> Check | None:
-    if not effect or not effect.get("applicable", True):
+def check_parameters_moved(rounds: list[dict[str, Any]]) -> Check | None:
+    """Every trained tensor group moved over the run (summed per-round relative moves)."""
+    totals: dict[str, float] = {}
+    for r in rounds:
+        for k, v in r.items():
+            if k.startswith("move/") and isinstance(v, int | float) and math.isfinite(v):
+                totals[k[len("move/") :]] = totals.get(k[len("move/") :], 0.0) + float(v)
+    if not totals:
         return None
-    changed = effect.get("changed")
-    if changed is None:
-        return None
+    least = min(totals, key=totals.__getitem__)
+    return Check(
+        "parameters_moved",
+        totals[least],
+        f"≥ {MIN_MOVE:g} for every trained group (Σ_rounds ‖Δw‖ / ‖w‖, least-moved group)",
+        totals[least] >= MIN_MOVE,
+        ", ".join(f"{g} {v:.3g}" for g, v in sorted(totals.items())),
+    )
+
+
+def effect_detail(effect: dict[str, Any]) -> str:
     on, off = effect.get("accuracy", float("nan")), effect.get("accuracy_off", float("nan"))
-    detail = f"accuracy {on:.1f} with prompts, {off:.1f} without"
+    out = f"accuracy {on:.1f} with, {off:.1f} without; right only with {effect.get('gained')}, only without "
+    out += f"{effect.get('lost')} (McNemar p {effect.get('mcnemar_p', float('nan')):.2g}); "
+    out += f"{effect.get('changed', float('nan')):.1f} % of predictions change"
     if effect.get("feature_shift") is not None:
-        detail += f"; mean 1 − cos {effect['feature_shift']:.3f}"
-    return Check("prompt_effect", changed, f"≥ {MIN_CHANGED:g} % predictions changed", changed >= MIN_CHANGED, detail)
+        out += f"; mean 1 − cos {effect['feature_shift']:.3f}"
+    return out
+
+
+def check_prompt_benefit(effect: dict[str, Any] | None) -> Check | None:
+    if not effect or not effect.get("applicable", True) or effect.get("verdict") is None:
+        return None
+    gain = effect.get("accuracy", float("nan")) - effect.get("accuracy_off", float("nan"))
+    return Check(
+        "prompt_benefit", gain, "not hurts (McNemar, p < 0.05): accuracy with − without the prompts, points",
+        effect["verdict"] != "hurts", effect_detail(effect), effect["verdict"],
+    )  # fmt: skip
 
 
 def series(rounds: list[dict[str, Any]], key: str) -> list[float]:
+    """The finite values of `key` over the round log."""
     return [float(r[key]) for r in rounds if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
 
 
@@ -136,18 +199,44 @@ def mean(v: list[float]) -> float:
     return sum(v) / len(v)
 
 
-@dataclass
-class RunEvidence:
-    """What a finished run offers the gate: its config (as JSON), its round log, each task's accuracy right after
-    it was learned, and the prompt-effect measurement of its final model(s)."""
+# ------------------------------------------------------------------------------- builders for method signals
+def switch_on(name: str, key: str, what: str) -> Signal:
+    """A signal that fails when the method's defining switch `method.<key>` is off (false, 0 or "none")."""
 
-    config: dict[str, Any] = field(default_factory=dict)
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-    learned: list[LearnedTask] = field(default_factory=list)
-    prompt_effect: dict[str, Any] | None = None
+    def check(run: RunEvidence) -> Check:
+        value = run.method().get(key)
+        on = bool(value) and value != "none"
+        return Check(name, float(on), f"method.{key} on", on, f"{what}: method.{key} = {value!r}")
+
+    check.__name__ = f"switch_{key}"
+    return check
 
 
-Signal = Callable[[RunEvidence], Check | None]
+def prompt_helps(run: RunEvidence) -> Check | None:
+    """The run's prompts (its defining mechanism) help: McNemar verdict `helps` on its own test set."""
+    effect = run.prompt_effect
+    if not effect or not effect.get("applicable", True) or effect.get("verdict") is None:
+        return Check("prompt_helps", None, "prompt effect measured", False, "no prompt effect recorded")
+    gain = effect.get("accuracy", float("nan")) - effect.get("accuracy_off", float("nan"))
+    ok = effect["verdict"] == "helps"
+    return Check("prompt_helps", gain, "helps (McNemar, p < 0.05)", ok, effect_detail(effect), effect["verdict"])
+
+
+def component_helps(component: str, what: str) -> Signal:
+    """A signal that the server-side component `component` (an entry of the server's `ablations()`) helps: the
+    final model against itself without that component, McNemar verdict `helps`; absent when the component is off."""
+
+    def check(run: RunEvidence) -> Check:
+        effect = run.ablations.get(component)
+        name = f"{component}_helps"
+        if not effect:
+            return Check(name, None, f"{what} measured", False, f"no {component} ablation recorded: {what} is off")
+        gain = effect.get("accuracy", float("nan")) - effect.get("accuracy_off", float("nan"))
+        ok = effect.get("verdict") == "helps"
+        return Check(name, gain, "helps (McNemar, p < 0.05)", ok, effect_detail(effect), effect.get("verdict"))
+
+    check.__name__ = f"{component}_helps"
+    return check
 
 
 def gate(run: RunEvidence, signals: Sequence[Signal] = ()) -> dict[str, Any]:
@@ -157,7 +246,8 @@ def gate(run: RunEvidence, signals: Sequence[Signal] = ()) -> dict[str, Any]:
         check_backbone(run.config),
         check_client_loss(run.rounds),
         check_learned_tasks(run.learned),
-        check_prompt_effect(run.prompt_effect),
+        check_parameters_moved(run.rounds),
+        check_prompt_benefit(run.prompt_effect),
         *(signal(run) for signal in signals),
     ]
     checks = [c for c in found if c is not None]

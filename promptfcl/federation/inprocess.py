@@ -3,10 +3,10 @@
 It owns client states (one `Record` per client, never shared) and delivers by copy (a client can never alias
 the server's tensors or another client's): each client gets its own copy of its message when it runs, so a
 round holds one downlink copy at a time however many clients it addresses. A client that raises is dropped
-from the round with its error; each client is timed, so the base class can drop one over
-`engine.client_timeout`. Stamping, byte accounting and reply validation are the `Grid` base class's;
-`run_client` (context, per-(task, round, client) seed, injected fault, client program) is shared with every
-other engine.
+from the round with its error; each client is timed (wall and process CPU seconds, `RoundTraffic`), so the base
+class can drop one over `engine.client_timeout`. Stamping, byte accounting and reply validation are the `Grid`
+base class's; `run_client` (context, per-(task, round, client) seed, injected fault, client program) is shared
+with every other engine.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class InProcessGrid(Grid):
     def _deliver(self, messages: dict[int, Message]) -> dict[int, Message]:
         replies: dict[int, Message] = {}
         for cid in sorted(messages):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 reply = run_client(  # a private copy per client, made when it runs (one downlink copy alive)
                     self.client, messages[cid].copy(), cid, self.states[cid], self.scenario, self.train, self.seed,
@@ -109,6 +109,8 @@ class InProcessGrid(Grid):
                 took = time.perf_counter() - t0
                 self.elapsed[cid] = took
                 self.traffic.client_seconds += took
+                cpu = time.process_time() - c0  # the process's CPU: the client's, as clients run one at a time
+                self.traffic.client_cpu_seconds = (self.traffic.client_cpu_seconds or 0.0) + cpu
             if self.on_reply is not None:
                 self.on_reply(cid, reply)
             if self._fold is None:

@@ -78,19 +78,27 @@ class GridPolicy:
 
 @dataclass
 class RoundTraffic:
-    """Bytes and timing of one round's exchanges, counted the same way by every engine."""
+    """Bytes and timing of one round's exchanges, counted the same way by every engine.
+
+    `client_seconds`: wall time of the clients' work as the engine saw it. `client_cpu_seconds`: the process CPU
+    seconds (`time.process_time()`, every thread of the process) the clients took, measured where they run in the
+    server's process (the in-process engine, one client after another); None where they run in other processes
+    (Flower), whose CPU the server cannot see."""
 
     bytes_down: int = 0
     bytes_up: int = 0
     messages: int = 0
     client_seconds: float = 0.0
+    client_cpu_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        cpu = self.client_cpu_seconds
         return {
             "bytes_down": self.bytes_down,
             "bytes_up": self.bytes_up,
             "messages": self.messages,
             "client_seconds": round(self.client_seconds, 4),
+            "client_cpu_seconds": None if cpu is None else round(cpu, 4),
         }
 
 
@@ -407,6 +415,22 @@ class ServerProgram(_Program, ABC):
         reference: the task). The evaluator asks for each model once and tests all its tasks with it, and reads
         from these keys which model was scored (metrics.json `scored_model`)."""
         return None
+
+    def ablations(self) -> dict[str, nn.Module]:
+        """The final global model with one of the method's server-side components taken out, by component name
+        (e.g. HGP's "rebalancing": the head as FedAvg left it). The class-incremental regime compares each with the
+        global model on the final test set (metrics.json `ablations`: paired counts, McNemar verdict), the evidence
+        of `validity.component_helps`. Default: none."""
+        return {}
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """The trained tensors the server holds (default: the global model's exchanged state), read before and
+        after every round to log how far each group moved (`move/<group>`, the validity gate's
+        `parameters_moved`). Servers that keep trained state outside the global model (one model per task, per
+        client) return it here, names prefixed by owner (`task3/prompt.…`)."""
+        model = self.global_model()
+        state = model.get_state() if hasattr(model, "get_state") else model.state_dict()
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def evaluate_message(self) -> Message:
         """What clients receive to test the current global model on their own data (`client_local` regime):

@@ -69,7 +69,7 @@ def _stateless_rounds(
                         numpy_rng(seed, "hepco", t, slot),
                         p.category_ratio,
                         p.split_ratio,
-                        p.imbalance,
+                        p.imbalance if p.apply_imbalance else 1.0,  # false: the official code's data (β unused)
                     )
                 ]
                 for slot in range(rounds * k)

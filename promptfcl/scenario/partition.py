@@ -74,7 +74,8 @@ def hepco_client_sample(
     kept class draw round(γ·n_c) of its n_c images, independently of other clients (clients may overlap).
     β (`imbalance`): a long-tail profile over the kept classes in a random order, class j keeping
     ⌈γ·n_c·β^(j/(k'−1))⌉ images — **applied to the data** (the official code computes it but never applies it,
-    while reporting its counts to the server). Returns sorted positions into `labels`.
+    while reporting its counts to the server; `partition.apply_imbalance: false` passes β = 1 here, the code's
+    data). Returns sorted positions into `labels`.
     """
     classes = np.unique(labels)
     keep = rng.permutation(classes)[: max(1, round(category_ratio * len(classes)))]

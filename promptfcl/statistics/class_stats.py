@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.federation.message import Record
 from promptfcl.federation.validation import TensorSpec
@@ -91,7 +91,7 @@ def extract_features(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(features (N,d) float64 on CPU, logit targets (N,)) of `data` through `features(x)`."""
     feats, ys = [], []
-    for x, y in data.batches(batch_size, transform, device=device):
+    for x, y in data.batches(nograd_batch(device, batch_size), transform, device=device):
         feats.append(features(x).double().cpu())
         ys.append(y.cpu())
     if not feats:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from promptfcl.data.base import ImageSplit
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.scenario.scenario import Scenario
 
@@ -129,7 +129,7 @@ def client_class_features(
         for k, idx in list(by_client.items())[:max_clients]:
             domain = scenario.client_domain(k) if domains else None
             sub = LabeledSubset.of(train, idx[:per_client], identity, domain)
-            for x, y in sub.batches(batch_size, transform, device=device):
+            for x, y in sub.batches(nograd_batch(device, batch_size), transform, device=device):
                 feats.append(query(x).float().cpu())
                 ys.append(y.cpu())
                 ks.append(torch.full((len(y),), k, dtype=torch.long))

@@ -32,7 +32,11 @@ class LocalTrainingParams(BaseModel):
         description="cosine: per step to 0; coda_cosine: per epoch lr·cos(99π·e / (200·(E−1))) (CODA-P/HePCo code)",
     )
     grad_clip: float | None = Field(1.0, gt=0)
-    augment: Augment = "flip"
+    augment: Augment = Field(
+        "flip",
+        description="training augmentation: none | flip | crop_flip (flip + a reflection-padded translation) | "
+        "rrc_flip (RandomResizedCrop + flip, as the official fed-mammoth / HePCo codes)",
+    )
     train_logits: TrainLogits = "current_task"
     optimizer_reset: Literal["round", "never"] = Field(
         "round", description="new optimizer every round, or keep its state in the client's state across rounds"
@@ -100,8 +104,10 @@ def train_local(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
     """`p.local_epochs` epochs of minibatch training on `data`; returns the mean loss, the final epoch's mean loss
-    (`last_loss`), ln K of the K logits that compete (`chance_loss`, a uniform guess's CE) and counts — the
-    validity gate's evidence that the client learned (`evaluation.validity`).
+    (`last_loss`), ln K of the K logits that compete (`chance_loss`, a uniform guess's CE), the entropy of the
+    client's own labels (`prior_loss`: the CE of always predicting its label distribution, what a model that learned
+    only the client's label prior reaches) and counts — the validity gate's evidence that the client learned
+    (`evaluation.validity`).
 
     A fresh optimizer is made from `p` unless `optimizer` (e.g. one restored from the client's state) is given.
     """
@@ -135,13 +141,27 @@ def train_local(
             total, epoch_total = total + value, epoch_total + value
             steps, epoch_steps = steps + 1, epoch_steps + 1
     model.eval()
-    return {
+    out = {
         "loss": float(total) / max(steps, 1),
         "last_loss": float(epoch_total) / max(epoch_steps, 1),
         "chance_loss": chance_loss(mask),
         "steps": steps,
         "samples": len(data),
     }
+    targets = getattr(data, "targets", None)  # data without labels at hand (a test's stand-in) reports no prior
+    if targets is not None:
+        out["prior_loss"] = prior_loss(targets)
+    return out
+
+
+def prior_loss(targets: torch.Tensor) -> float:
+    """The entropy (nats) of a client's label distribution: the cross-entropy of predicting, for every sample, the
+    client's own label frequencies — the loss a model reaches by learning only the label prior."""
+    if len(targets) == 0:
+        return 0.0
+    freq = torch.bincount(targets.flatten().long()).double()
+    freq = freq[freq > 0] / len(targets)
+    return float(-(freq * freq.log()).sum())
 
 
 def chance_loss(mask: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ shape (`reply_groups`), so malformed uploads are dropped before pooling.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Literal
 
@@ -47,7 +48,9 @@ class ClassGaussianParams(FedAvgPromptParams):
     stats_images: Literal["normalized", "raw"] = Field(
         "normalized", description="statistics on eval-transformed images, or unnormalised [0,1] images (HGP code)"
     )
-    class_weights: ClassWeights = "counts"
+    class_weights: ClassWeights = Field(
+        "counts", description="how often each class is sampled: ∝ its clients' sample counts, or uniform"
+    )
     variance_scale: float = Field(1.0, gt=0, description="spread multiplier before sampling")
     variance_eps: float = Field(1e-8, ge=0)
     rebalance: RebalanceClasses = Field(
@@ -86,16 +89,28 @@ class ClassGaussianClient(SupervisedClient):
 class ClassGaussianServer(FedAvgServer):
     """FedAvg, then per-round head retraining on features sampled from the stored class Gaussians."""
 
+    PRE = "pre_rebalance/"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.components = GaussianComponents.empty(self.env.backbone.embed_dim, self.params.covariance == "full")
+        self.fedavg_head: dict[str, torch.Tensor] = {}  # the last round's head as FedAvg left it (for `ablations`)
 
     def after_aggregate(self, replies: dict[int, Message], info: RoundInfo) -> dict[str, float]:
         stats = uploaded_statistics(replies)
         if self.params.components == "pooled" and stats:
             stats = [pooled(stats)]
         self.components = self.components.replace_task(info.stage, stats)
+        self.fedavg_head = {k: v.detach().clone() for k, v in self.model.head.state_dict().items()}
         return self.rebalance(info.stage, torch_generator(self.env.seed, "rebalance", info.stage, info.round))
+
+    def ablations(self) -> dict[str, torch.nn.Module]:
+        """"rebalancing": the final model with the head FedAvg gave it in the last round, before the server step."""
+        if self.params.rebalance == "none" or not self.fedavg_head:
+            return {}
+        model = copy.deepcopy(self.model)  # shares the frozen backbone
+        model.head.load_state_dict(self.fedavg_head)
+        return {"rebalancing": model}
 
     def reply_groups(self) -> list[dict[str, TensorSpec]]:
         space = self.env.label_space
@@ -141,8 +156,11 @@ class ClassGaussianServer(FedAvgServer):
         return calibrate_head(self.model.head, sampler, logits, self.calibration_params(), gen, self.env.device)
 
     def state(self) -> Record:
-        return Record({**self.model.get_state(), **self.components.to_tensors("gmm/")})
+        pre = {self.PRE + k: v for k, v in self.fedavg_head.items()}
+        return Record({**self.model.get_state(), **self.components.to_tensors("gmm/"), **pre})
 
     def load_state(self, state: Record) -> None:
-        self.model.set_state({k: v for k, v in state.tensors.items() if not k.startswith("gmm/")})
+        own = ("gmm/", self.PRE)
+        self.model.set_state({k: v for k, v in state.tensors.items() if not k.startswith(own)})
         self.components = GaussianComponents.from_tensors(state.tensors, "gmm/")
+        self.fedavg_head = {k[len(self.PRE) :]: v for k, v in state.tensors.items() if k.startswith(self.PRE)}

@@ -159,9 +159,13 @@ class SupervisedClient(ClientProgram):
         )
 
 
+LOSS_KEYS = ("loss", "last_loss", "chance_loss", "prior_loss")  # what a train reply reports of its training loss
+
+
 def loss_scalars(stats: dict[str, float]) -> dict[str, float]:
-    """The training-loss scalars a train reply carries: mean loss, final-epoch loss and ln K (when measured)."""
-    return {k: float(stats[k]) for k in ("loss", "last_loss", "chance_loss") if k in stats}
+    """The training-loss scalars a train reply carries: mean loss, final-epoch loss, ln K and the label-prior loss
+    (when measured)."""
+    return {k: float(stats[k]) for k in LOSS_KEYS if k in stats}
 
 
 def usable_replies(replies: dict[int, Message]) -> dict[int, Message]:
@@ -171,9 +175,9 @@ def usable_replies(replies: dict[int, Message]) -> dict[int, Message]:
 
 
 def round_loss(replies: dict[int, Message]) -> dict[str, float]:
-    """The round's mean of its replies' loss scalars (`loss`, and `last_loss` / `chance_loss` when all carry them)."""
+    """The round's mean of its replies' loss scalars (`loss`, and the others of `LOSS_KEYS` when all carry them)."""
     out: dict[str, float] = {}
-    for key in ("loss", "last_loss", "chance_loss"):
+    for key in LOSS_KEYS:
         values = [float(r.scalars[key]) for r in replies.values() if key in r.scalars]
         if values and (key == "loss" or len(values) == len(replies)):
             out[key] = sum(values) / len(values)

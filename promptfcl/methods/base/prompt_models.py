@@ -67,7 +67,11 @@ class PoolTrainingParams(FedAvgParams):
     batch_size: int = Field(64, gt=0)
     lr_schedule: Literal["constant", "cosine", "coda_cosine"] = "coda_cosine"
     grad_clip: float | None = None
-    augment: Augment = "crop_flip"
+    augment: Augment = Field(
+        "crop_flip",
+        description="training augmentation: none | flip | crop_flip (flip + a reflection-padded translation) | "
+        "rrc_flip (RandomResizedCrop + flip, as the official fed-mammoth / HePCo codes)",
+    )
     query_cache: bool = Field(
         False,
         description="cache q(x) per exact input (use with augment: none or flip); a CPU speed-up: on a GPU, "

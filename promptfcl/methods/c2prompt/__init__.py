@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from promptfcl.evaluation.validity import prompt_helps
 from promptfcl.federation.aggregation import RunningMean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, ReplyFold, RoundInfo, handles
@@ -94,7 +95,7 @@ from promptfcl.methods.base.prompt_models import PoolTrainingParams, pooled_mode
 from promptfcl.methods.c2prompt.compensation_prompts import CompensationPrompts
 from promptfcl.methods.c2prompt.compensation_training import train_compensation
 from promptfcl.methods.c2prompt.cpa import class_affinity_weights, mix_rows
-from promptfcl.methods.c2prompt.signals import check_lcdc
+from promptfcl.methods.c2prompt.signals import check_cpa_mixes, check_lcdc, cpa_on, lcdc_on
 from promptfcl.methods.powder import PowderClient, PowderKnobs, PowderServer, powder_model
 from promptfcl.methods.powder.generated import PARTS
 from promptfcl.model import PromptedClassifier
@@ -598,6 +599,10 @@ class DirectServer(FedAvgServer):
     def model_key(self, client: int, label_task: int) -> int:
         return label_task
 
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """Every (client, task)'s own model (the global one is never trained)."""
+        return {f"task{g}/{n}": t for g, st in self.tasks.items() for n, t in st.items()}
+
     def state(self) -> Record:
         record = Record({f"init/{n}": t for n, t in self.initial.items()})
         for g, st in self.tasks.items():
@@ -622,9 +627,9 @@ register_method(
     "CODA-P (or, base: powder, Powder's) prompts with LCDC compensation prompts and class-aware (per-client) "
     "prompt aggregation",
     "C2Prompt (arXiv 2509.19674)",
-    signals=(check_lcdc,),
     builds_on=("powder",),
     variant=lambda p: (C2PromptPowderServer, C2PromptPowderClient) if p.base == "powder" else None,
+    signals=(lcdc_on, cpa_on, check_lcdc, check_cpa_mixes, prompt_helps),
 )
 register_method(
     "codap_direct",
@@ -634,4 +639,5 @@ register_method(
     build_model,
     "direct single-task reference for FWT: a fresh CODA-P prompt + head per (client, task), no federation",
     "Powder's *_direct runs",
+    signals=(prompt_helps,),
 )

@@ -6,7 +6,7 @@ import torch
 
 from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.vit import FrozenViT
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.methods.c2prompt.compensation_prompts import CompensationPrompts, gaussian_nll
 
@@ -26,7 +26,7 @@ def mean_nll(
 ) -> float:
     """Mean NLL of the (compensated, if `prompts`) features of `data` under their classes' Gaussians."""
     total, n = 0.0, 0
-    for x, y in data.batches(batch_size, transform, device=device):
+    for x, y in data.batches(nograd_batch(device, batch_size), transform, device=device):
         i = index_of[y.cpu()]
         keep = i >= 0
         if not keep.any():

@@ -67,6 +67,7 @@ alignment), `scheduler: fixed` (no bandit; global sync every `sync_period` round
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import numpy as np
@@ -75,6 +76,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from promptfcl.clip_model import ClipClassifier
+from promptfcl.evaluation.validity import prompt_helps
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
@@ -86,12 +88,14 @@ from promptfcl.methods.capt.bandit import BanditScheduler
 from promptfcl.methods.capt.clustering import (
     Clusterer,
     Metric,
+    cluster_gain,
     cluster_rows,
     complementarity,
     complementary_clusters,
     normalise,
     pairwise_distance,
 )
+from promptfcl.methods.capt.signals import check_clustering, class_prompts_helps, clustering_on
 from promptfcl.methods.clip_baselines import ClipFedAvgParams, build_clip_model
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.long_tail import class_groups
@@ -182,20 +186,26 @@ def true_row_logits(scale: torch.Tensor, z: torch.Tensor, t: torch.Tensor, y: to
     return torch.where(own, live, frozen)
 
 
-def capt_loss(prior: torch.Tensor, lam: float, ca_text: str) -> LossFn:
-    """L = L_ge + λ·L_ca (Eq. 4) on the coupled image feature z'; parts the model lacks are left out."""
+def capt_loss(prior: torch.Tensor, lam: float, ca_text: str, ce_steps: list[float] | None = None) -> LossFn:
+    """L = L_ge + λ·L_ca (Eq. 4) on the coupled image feature z'; parts the model lacks are left out. Each step's
+    plain cross-entropy term (L_ge, else L_ca's) is appended to `ce_steps` when given: the validity gate compares a
+    cross-entropy with the clients' label-prior loss, and the total is a sum of two."""
 
     def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         z = model.image_features(x)
         scale = model.backbone.logit_scale
         total = z.new_zeros(())
+        ce = None
         if "general" in model.variants:
-            total = total + F.cross_entropy(masked_logits(scale * z @ model.text_features("general").t(), mask), y)
+            ce = F.cross_entropy(masked_logits(scale * z @ model.text_features("general").t(), mask), y)
+            total = total + ce
         if "class" in model.variants:
             t = model.text_features(ca_text)
-            total = total + lam * balanced_softmax_cross_entropy(
-                masked_logits(true_row_logits(scale, z, t, y), mask), y, prior
-            )
+            ca = balanced_softmax_cross_entropy(masked_logits(true_row_logits(scale, z, t, y), mask), y, prior)
+            total = total + lam * ca
+            ce = ca if ce is None else ce
+        if ce_steps is not None and ce is not None:
+            ce_steps.append(float(ce.detach()))
         return total
 
     return loss
@@ -222,7 +232,12 @@ class CaptClient(SupervisedClient):
         ctx.state.tensors.update({k: v for k, v in message.tensors.items() if k.startswith(MODEL)})
         model = self.model
         model.set_state({k: ctx.state.tensors[MODEL + k] for k in model.state_dict()})
-        stats = self.train(model, ctx, message)
+        ce_steps: list[float] = []  # this message's per-step cross-entropy term (the gate's loss)
+        loss = capt_loss(message.tensors["prior"], self.params.lam, self.params.ca_variant, ce_steps)
+        stats = self.train(model, ctx, message, loss)
+        if ce_steps:  # the final epoch's mean cross-entropy term, not the sum of the two terms
+            per_epoch = max(len(ce_steps) // self.params.local_epochs, 1)
+            stats["last_loss"] = sum(ce_steps[-per_epoch:]) / per_epoch
         state = model.get_state()
         ctx.state.tensors.update({MODEL + k: v for k, v in state.items()})
         parts = model.part_names("general") + model.part_names("class")
@@ -370,8 +385,12 @@ class CaptServer(FedAvgServer):
             updates = {c: Message(kind="update") for c in ids}
             d = normalise(np.stack([r.tensors["label_counts"].numpy() for r in rs]))
             if self.cls:  # similarity clustering → class-aware prompts
-                labels = cluster_rows(pairwise_distance(d, p.distance), p.sim_clusters, p.clusterer, seed)
+                dist = pairwise_distance(d, p.distance)
+                labels = cluster_rows(dist, p.sim_clusters, p.clusterer, seed)
                 metrics["sim_clusters"] = int(labels.max()) + 1
+                gain = cluster_gain(dist, labels, seed)
+                if gain is not None:
+                    metrics["sim_cluster_gain"] = gain
                 for g in range(int(labels.max()) + 1):
                     members = [i for i in range(len(ids)) if labels[i] == g]
                     avg = self._class_mean([rs[i] for i in members], None)
@@ -418,6 +437,14 @@ class CaptServer(FedAvgServer):
         self.since = 0
         self.bytes_period = 0
 
+    def ablations(self) -> dict[str, torch.nn.Module]:
+        """"class_prompts": the final model reading only its general prompts (P_c left out of the text features)."""
+        if not self.cls or not self.general:
+            return {}
+        model = copy.deepcopy(self.model)  # shares the frozen CLIP
+        model.p = model.p.model_copy(update={"inference": "general"})
+        return {"class_prompts": model}
+
     # ------------------------------------------------------------------------------------------ state
     def global_model(self) -> torch.nn.Module:
         return self.model
@@ -458,4 +485,5 @@ register_method(
     "CLIP general + class-aware prompts, V-L coupling, JS / complementarity client clustering, bandit sync",
     "CAPT (Hou et al., arXiv 2503.06993)",
     builds_on=("promptfl", "maple_fedavg"),
+    signals=(prompt_helps, class_prompts_helps, clustering_on, check_clustering),
 )

@@ -139,3 +139,22 @@ def complementary_clusters(c: np.ndarray, k: int, method: Clusterer = "kmeans", 
             members[best].append(int(i))
             labels[i] = best
     return labels
+
+
+def cluster_gain(dist: np.ndarray, labels: np.ndarray, seed: int = 0, draws: int = 200) -> float | None:
+    """How much closer the clients within a cluster are than within random groups of the same sizes:
+    1 − mean within-cluster distance / its mean over `draws` seeded random relabellings (0: no better than chance,
+    1: clusters of identical distributions). None when no cluster holds two clients."""
+    dist = np.asarray(dist, dtype=np.float64)
+
+    def within(lab: np.ndarray) -> float | None:
+        same = (lab[:, None] == lab[None, :]) & ~np.eye(len(lab), dtype=bool)
+        return float(dist[same].mean()) if same.any() else None
+
+    observed = within(np.asarray(labels))
+    if observed is None:
+        return None
+    rng = np.random.default_rng(seed % 2**32)
+    chance = [w for _ in range(draws) if (w := within(rng.permutation(labels))) is not None]
+    base = float(np.mean(chance)) if chance else 0.0
+    return 1.0 - observed / base if base > 0 else 0.0

@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import Field
 
 from promptfcl.clip_model import ClipClassifier, ClipPromptParams
+from promptfcl.evaluation.validity import prompt_helps
 from promptfcl.federation.protocol import Grid, MethodEnv, RoundInfo
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
@@ -70,10 +71,13 @@ class ZeroShotParams(ClipFedAvgParams):
 
 def build_clip_model(env: MethodEnv, p: ClipPromptParams) -> ClipClassifier:
     """The CLIP classifier over the run's classes (in logit order); needs `backbone.kind: clip`."""
-    from promptfcl.backbones.clip import FrozenCLIP
+    from promptfcl.backbones.clip_towers import ClipTowers
 
-    if not isinstance(env.backbone, FrozenCLIP):
-        raise ValueError("CLIP methods need a CLIP backbone: set backbone.kind: clip (and an open_clip backbone.name)")
+    if not isinstance(env.backbone, ClipTowers):
+        raise ValueError(
+            "CLIP methods need a CLIP backbone: set backbone.kind: clip and an open_clip backbone.name, or "
+            "backbone.name: mini-clip (the CPU-scale stand-in)"
+        )
     prompt = ClipPromptParams(**{k: getattr(p, k) for k in ClipPromptParams.model_fields})
     return ClipClassifier(env.backbone, env.class_names, prompt)
 
@@ -93,6 +97,7 @@ register_method(
     build_clip_model,
     "CLIP + CoOp context shared by all classes, FedAvg",
     "PromptFL (Guo et al., IEEE TMC 2024); CAPT baseline",
+    signals=(prompt_helps,),
 )
 register_method(
     "maple_fedavg",
@@ -102,6 +107,7 @@ register_method(
     build_clip_model,
     "CLIP + MaPLe deep text prompts coupled to vision prompts, FedAvg",
     "MaPLe (Khattak et al., CVPR 2023) + FedAvg; CAPT Table 2",
+    signals=(prompt_helps,),
 )
 register_method(
     "cocoop_fedavg",
@@ -111,6 +117,7 @@ register_method(
     build_clip_model,
     "CLIP + CoCoOp image-conditioned context (meta-net), FedAvg",
     "CoCoOp (Zhou et al., CVPR 2022) + FedAvg; CAPT Table 2",
+    signals=(prompt_helps,),
 )
 register_method(
     "fedclip",
@@ -120,6 +127,7 @@ register_method(
     build_clip_model,
     "CLIP + attention adapter (hidden 128) on the image feature, FedAvg",
     "FedCLIP (Lu et al., IEEE DEB 2023); CAPT Table 1",
+    signals=(prompt_helps,),
 )
 register_method(
     "clip_zeroshot",

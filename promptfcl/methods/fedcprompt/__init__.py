@@ -61,11 +61,13 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from promptfcl.evaluation.validity import prompt_helps
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
 from promptfcl.methods.base.prompt_models import CodaParams, build_codap
+from promptfcl.methods.fedcprompt.signals import c2l_on
 from promptfcl.model import PromptedClassifier
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.training.local import LossFn
@@ -215,4 +217,5 @@ register_method(
     "CODA-P; each client trains its own task's block (asynchronous prompt learning) with the contrastive continual "
     "loss (triplet: received vs previous-task model), FedAvg",
     "Fed-CPrompt (FL-ICML 2023)",
+    signals=(c2l_on, prompt_helps),
 )

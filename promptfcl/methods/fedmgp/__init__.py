@@ -93,7 +93,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from promptfcl.backbones.query_cache import QueryCache
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
+from promptfcl.data.transforms import Augment
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
 from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
@@ -120,7 +121,7 @@ from promptfcl.methods.fedmgp.model import (
     key_hits,
     subset_state,
 )
-from promptfcl.methods.fedmgp.signals import check_key_hit
+from promptfcl.methods.fedmgp.signals import check_key_hit, local_prompts_on
 from promptfcl.prompts.l2p import L2PPool
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import numpy_rng, torch_generator
@@ -133,7 +134,11 @@ class FedMGPParams(LocalTrainingParams):
     lr: float = Field(1e-3, gt=0, description="Adam, both phases and the fusion (paper 1e-3; code 1.5e-3)")
     local_epochs: int = Field(5, gt=0, description="epochs of each phase per round")
     batch_size: int = Field(16, gt=0)
-    augment: Literal["none", "flip", "crop_flip"] = "crop_flip"
+    augment: Augment = Field(
+        "crop_flip",
+        description="training augmentation: none | flip | crop_flip (flip + a reflection-padded translation) | "
+        "rrc_flip (RandomResizedCrop + flip, as the official fed-mammoth / HePCo codes)",
+    )
     # coarse global prompts (L2P)
     pool_size: int = Field(10, gt=0)
     length: int = Field(10, gt=0)
@@ -304,7 +309,7 @@ class FedMGPClient(ClientProgram):
             upload.update(subset_state(model, GLOBAL_HEAD))
         scalars = {
             "num_samples": len(ctx.train_data),
-            **{k: final[k] for k in ("last_loss", "chance_loss") if k in final},
+            **{k: final[k] for k in ("last_loss", "chance_loss", "prior_loss") if k in final},
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "classes": list(space.tasks[ctx.stage].classes),
         }
@@ -321,7 +326,8 @@ class FedMGPClient(ClientProgram):
             return {}
         p, hits, n = self.params, 0, 0
         allowed = self.local_candidates(ctx, ctx.stage)
-        for x, y in ctx.local_test(ctx.stage).batches(batch_size, self.env.eval_transform, device=ctx.device):
+        batch = nograd_batch(ctx.device, batch_size)
+        for x, y in ctx.local_test(ctx.stage).batches(batch, self.env.eval_transform, device=ctx.device):
             ids = model.local_pool.select(model.local_query(x), allowed, p.local_top_k, p.local_batchwise)
             hits += key_hits(ids, y)
             n += len(y)
@@ -424,7 +430,8 @@ class FedMGPServer(RoundServer):
         data = self.proxy(set(classes))
         mask = self.env.label_space.mask([int(self.env.label_space.class_to_logit[c]) for c in classes])
         correct = 0
-        for x, y in data.batches(self.params.batch_size, self.env.eval_transform, device=self.env.device):
+        batch = nograd_batch(self.env.device, self.params.batch_size)
+        for x, y in data.batches(batch, self.env.eval_transform, device=self.env.device):
             correct += int((masked_logits(model(x), mask).argmax(1) == y).sum())
         return correct / max(len(data), 1)
 
@@ -498,5 +505,5 @@ register_method(
     "per-task heads kept on each client (personalized FCL)",
     "FedMGP (KDD 2024)",
     scenario_kinds=("personalized",),
-    signals=(check_key_hit,),
+    signals=(local_prompts_on, check_key_hit),
 )

@@ -18,7 +18,7 @@ from promptfcl.backbones.precision import LossScaler
 from promptfcl.backbones.prompt_spec import PromptSpec
 from promptfcl.backbones.query_cache import QueryCache, state_version
 from promptfcl.backbones.vit import FrozenViT
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
 from promptfcl.prompts.l2p import L2PPool
@@ -218,7 +218,7 @@ def distillation_loss(
     """The Eq. 11 loss of `student` on the whole proxy set (mean over images), without training."""
     student.eval()
     total, n = 0.0, 0
-    for x, _y in proxy.batches(batch_size, transform, device=device):
+    for x, _y in proxy.batches(nograd_batch(device, batch_size), transform, device=device):
         q = backbone.query(x)
         out = backbone.tokens(x, student(x.shape[0], q))
         total += float(sum(F.mse_loss(out, backbone.tokens(x, t.eval()(x.shape[0], q))) for t in teachers)) * len(x)

@@ -1,4 +1,5 @@
-"""FedMGP's validity signal: its local prompts must be chosen by key better than chance at test time.
+"""FedMGP's validity signals: its fine local prompts are on (`local_prompts_on`) and chosen by key better than
+chance at test time.
 
 `key_hit`: the test-time local-prompt hit rate (the share of test images whose own class's local prompt is among
 those their key picks, `diag/local_key_hit`) at least `KEY_HIT_FACTOR` × the rate a random pick would have
@@ -7,7 +8,7 @@ those their key picks, `diag/local_key_hit`) at least `KEY_HIT_FACTOR` × the ra
 
 from __future__ import annotations
 
-from promptfcl.evaluation.validity import Check, RunEvidence, series
+from promptfcl.evaluation.validity import Check, RunEvidence, series, switch_on
 
 KEY_HIT_FACTOR = 2.0
 
@@ -21,3 +22,6 @@ def check_key_hit(run: RunEvidence) -> Check | None:
         "key_hit", ratio, f"≥ {KEY_HIT_FACTOR:g} × chance (last evaluation)", ratio >= KEY_HIT_FACTOR,
         f"hit {hits[-1]:.1f} %, chance {chance[-1]:.1f} %",
     )  # fmt: skip
+
+
+local_prompts_on = switch_on("local_prompts_on", "local_prompt", "fine class-wise local prompts routed by key")

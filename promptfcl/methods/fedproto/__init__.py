@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from promptfcl.evaluation.validity import prompt_helps, switch_on
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
 from promptfcl.federation.validation import TensorSpec
@@ -155,6 +156,9 @@ class FedProtoServer(FedAvgServer):
         self.model.set_state(t)
 
 
+prototypes_on = switch_on("prototypes_on", "proto_lambda", "the prototype regulariser")
+
+
 register_method(
     "fedproto",
     FedProtoParams,
@@ -163,4 +167,5 @@ register_method(
     build_prefix_model,
     "FedAvg'd prefix prompt + head with prototype regularisation and nearest-prototype inference",
     "FedProto (Tan et al., AAAI 2022)",
+    signals=(prototypes_on, prompt_helps),
 )

@@ -11,6 +11,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from promptfcl.evaluation.validity import prompt_helps, switch_on
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext
 from promptfcl.methods.base import register_method
@@ -39,6 +40,9 @@ class FedProxClient(SupervisedClient):
         return loss
 
 
+proximal_on = switch_on("proximal_on", "mu", "the FedProx proximal term")
+
+
 register_method(
     "fedprox_prompt",
     FedProxParams,
@@ -47,4 +51,5 @@ register_method(
     build_weighted_pool,
     "weighted prompt pool + head with the FedProx proximal term, uniform average",
     "FedProx (MLSys 2020) as in HePCo's code",
+    signals=(proximal_on, prompt_helps),
 )

@@ -4,11 +4,13 @@
   `MIN_FIDELITY` fraction of the time (mean over rounds): latents that no teacher recognises teach nothing.
 - `stage_a`: prompt distillation moves the prompts by at least `MIN_STAGE_A` of the round's FedAvg move and lowers
   its loss (means over rounds).
+- `distillation_on` / `distillation_helps`: the server's consolidation is on (`server_kd`), and the final model
+  predicts the test set better than itself before the last round's consolidation (McNemar).
 """
 
 from __future__ import annotations
 
-from promptfcl.evaluation.validity import Check, RunEvidence, mean, series
+from promptfcl.evaluation.validity import Check, RunEvidence, component_helps, mean, series, switch_on
 
 MIN_FIDELITY = 0.5  # a fraction of the generated latents
 MIN_STAGE_A = 0.05
@@ -34,3 +36,7 @@ def check_stage_a(run: RunEvidence) -> Check | None:
         m >= MIN_STAGE_A and lowered,
         f"loss {mean(first):.4g} → {mean(last):.4g}" if first and last else "",
     )  # fmt: skip
+
+
+distillation_on = switch_on("distillation_on", "server_kd", "the server's data-free distillation")
+distillation_helps = component_helps("distillation", "the server's data-free distillation")

@@ -18,9 +18,16 @@ for what the paper leaves out. Algorithm, per round:
 Prompt (§3.1): one prefix shared by all tasks, in layers 0–4 a (200, d) tensor — 100 key + 100 value tokens.
 
 Choices where paper and code differ (switch → default, and why):
-- `class_weights`: "counts" (paper Eq. 6, ω_c ∝ Σ_m n_{m,c}) | "uniform" (code TODO) → paper.
+- `class_weights`: "counts" (paper Eq. 6, ω_c ∝ Σ_m n_{m,c}) | "uniform" (code TODO: every seen class equally
+  likely) → paper.
 - `rebalance_optimizer`: "sgd_cosine" (paper; older code) | "local_lr" (later code: SGD at the local lr,
-  no schedule) → paper.
+  no schedule; momentum and the rest of `calibration` unchanged) → paper.
+- `augment`: "flip" | "crop_flip" (paper §4: "random cropping and horizontal flipping", here a reflection-padded
+  translation; the paper configs `configs/hgp/*` set it) | "rrc_flip" (code: kornia `RandomResizedCrop(224,
+  bicubic)`, scale (0.08, 1), ratio (3/4, 4/3), + flip; here cropped from the stored image straight to
+  `backbone.img_size`) → "flip", the local-training default, which departs from the paper on purpose: an
+  unaugmented or flipped image hits the hybrid backbone's stem cache, so the CPU presets stay affordable; set
+  `crop_flip` for the paper, `rrc_flip` for the code.
 - `stats_images`: "normalized" (paper, older code) | "raw" (later code's GPU-augmentation refactor computes
   statistics on unnormalised images) → paper.
 - `prompt_init`: "zeros" (the code's CODA-style init with pool size 1 yields zeros) | "uniform" → code, the
@@ -47,6 +54,7 @@ from pydantic import Field
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
 from promptfcl.methods.base.prompt_models import build_prefix_model
+from promptfcl.methods.base.signals import rebalancing_helps, rebalancing_on
 from promptfcl.training.head_calibration import CalibrationParams
 
 
@@ -59,7 +67,11 @@ class HGPParams(ClassGaussianParams):
     scale_full_covariance: bool = Field(
         False, description="also multiply full covariances by variance_scale (fed-mammoth inflates only diagonals)"
     )
-    rebalance_optimizer: Literal["sgd_cosine", "local_lr"] = "sgd_cosine"
+    rebalance_optimizer: Literal["sgd_cosine", "local_lr"] = Field(
+        "sgd_cosine",
+        description="head rebalancing: calibration's SGD with a cosine schedule (paper), or SGD at the local lr with "
+        "no schedule (later fed-mammoth code)",
+    )
 
 
 class HGPServer(ClassGaussianServer):
@@ -86,4 +98,5 @@ register_method(
     build_prefix_model,
     "shared prefix prompt + head; server rebalances the head on features sampled from client Gaussian mixtures",
     "HGP (Salami et al., 2025)",
+    signals=(rebalancing_on, rebalancing_helps),
 )

@@ -30,9 +30,25 @@ Switches (→ default, and why):
   which needs the previous tasks' factors sent down) → "current"; the paper's choice is unknown to us.
 - `train_matrix`: "alternate" (LoRM) | "A" | "B" (the code's ablations: one factor only, averaged the same way).
 - `gram_upload_dtype`: float32 (the code's default `gram_dtype`) | float64. Grams are accumulated in float64.
-Hyper-parameters: AdamW lr 3e-4, weight decay 0.1 (on the whole head, so older tasks' rows shrink a little every
-step, as in the code), no gradient clipping, batch 16, 5 local epochs, 5 rounds per task [C][N]; [H] gives
-per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
+- `gram_images`: "eval" (the evaluation transform: each Gram a fixed function of the client's data, RegMean's
+  definition of a layer's inputs) | "train" (the code: `RegMean.end_round_client` applies the training
+  augmentation `self.augment` in the Gram pass; here the client's `augment`, drawn from its own seeded generator)
+  → "eval": the paper is silent [I], and the eval transform keeps the merge free of augmentation noise; set
+  "train" (with `augment: rrc_flip`, the code's RandomResizedCrop + flip) to match the code.
+- `gram_passes`: passes over the data per Gram (the code's `regmean_rounds`: 1 by default and in the CIFAR-100
+  commands, 2 in every other released command) → 1. With `gram_images: eval` every pass adds the same Gram, so
+  the merges do not change (every Gram is scaled alike); with "train" each pass sees other augmentations.
+- `head_solve`: "inverse" (the code's head merge, `torch.inverse(Σ_k H_k)`, and RegMean's closed form as written)
+  | "pinv" (a pseudo-inverse: directions no client's features reach get 0 instead of failing) → "inverse", as
+  both sources have it; with γ_head > 0 the summed head Gram is positive definite whenever every feature
+  dimension varies, and the two agree to float64 rounding. A singular sum stops the run with a message naming
+  `pinv` (the code would fail there too). The factor and task merges use a pseudo-inverse in the code and here.
+- `weight_decay`: 0.0 (every command of the code's README, `--wd_reg=0`, the settings behind the paper's tables)
+  | 0.1 (the code's argparse default `wd_reg`, used by no released command; AdamW then decays the whole head, so
+  older tasks' rows shrink a little every step) → 0.0: the paper does not state it (nor does [H]), and the
+  released commands that reproduce its numbers set 0.
+Hyper-parameters: AdamW lr 3e-4, no gradient clipping, batch 16, 5 local epochs, 5 rounds per task [C][N]; [H]
+gives per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
 Communication (what travels, counted by the Grid): down A, B, head (+ previous factors for "running_mean");
 up the trained factor, head, the head Gram (d×d) and each adapted projection's Gram — its diagonal (n,) when
 γ_backbone = 0 (the code ships the full n×n matrix with zeroed off-diagonals; the merge is identical); the
@@ -52,6 +68,7 @@ from torch import nn
 
 from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
 from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta
+from promptfcl.evaluation.validity import prompt_helps
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
@@ -74,7 +91,9 @@ class LoRMParams(LocalTrainingParams):
 
     optimizer: Literal["adam", "adamw", "sgd"] = "adamw"
     lr: float = Field(3e-4, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay: 0 in every released command (--wd_reg=0); the code's default 0.1"
+    )
     grad_clip: float | None = Field(None, gt=0)
     rank: int = Field(16, ge=1, description="LoRA rank r of every adapted projection")
     layers: list[int] | None = Field(None, description="blocks to adapt (null: all)")
@@ -83,8 +102,17 @@ class LoRMParams(LocalTrainingParams):
     train_matrix: Literal["alternate", "A", "B"] = "alternate"
     gram_decay_backbone: float = Field(0.0, ge=0, le=1, description="γ for the adapted projections' Grams")
     gram_decay_head: float = Field(0.5, ge=0, le=1, description="γ for the head's Gram")
-    gram_model: Literal["current", "running_mean"] = "current"
+    gram_model: Literal["current", "running_mean"] = Field(
+        "current", description="Grams under W0 + this task's module, or the code's running mean of all tasks' modules"
+    )
     gram_upload_dtype: Literal["float32", "float64"] = "float32"
+    gram_images: Literal["eval", "train"] = Field(
+        "eval", description="Grams on eval-transformed images, or through the training augmentation (the code)"
+    )
+    gram_passes: int = Field(1, ge=1, description="passes over the data per Gram (the code's regmean_rounds)")
+    head_solve: Literal["inverse", "pinv"] = Field(
+        "inverse", description="head merge (Σ W_k H_k)(Σ H_k)^-1 with an inverse (code, RegMean) or a pseudo-inverse"
+    )
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the head bias")
 
     @model_validator(mode="after")
@@ -169,9 +197,14 @@ class LoRMClient(SupervisedClient):
                 deltas[s] = LoRADelta(total.a, total.b, 1.0 / (t + 1))
             spec = lora_spec(deltas)
         modules = {site_key(s): site_weight(backbone, s) for s in sites}
+        if p.gram_images == "train":  # the code: the training augmentation, from this message's own generator
+            transform, gen = self.env.train_transform(p.augment), torch_generator(ctx.seed, "gram")
+        else:
+            transform, gen = self.env.eval_transform, None
         grams, head = input_grams(
-            lambda x: backbone(x, spec), modules, ctx.train_data, self.env.eval_transform, ctx.device, diagonal
-        )
+            lambda x: backbone(x, spec), modules, ctx.train_data, transform, ctx.device, diagonal,
+            generator=gen, passes=p.gram_passes,
+        )  # fmt: skip
         out = {GRAM + k: regularize_gram(g, p.gram_decay_backbone).to(dtype) for k, g in grams.items()}
         assert head is not None
         out[GRAM + "head"] = regularize_gram(head, p.gram_decay_head).to(dtype)
@@ -227,7 +260,9 @@ class LoRMServer(RoundServer):
                 a = state[f"prompt.a.{k}"]
                 state[name] = regmean(ws, [project_gram(a, g) for g in grams[k]])
         heads = [r.tensors[GRAM + "head"] for r in replies.values()]
-        state["head.weight"] = regmean([r.tensors["head.weight"] for r in replies.values()], heads)
+        state["head.weight"] = regmean(
+            [r.tensors["head.weight"] for r in replies.values()], heads, solve=self.params.head_solve
+        )
         weights = [r.scalars["num_samples"] for r in replies.values()] if self.params.weighting == "samples" else None
         state["head.bias"] = weighted_mean([{"b": r.tensors["head.bias"]} for r in replies.values()], weights)["b"]
         self.model.set_state(state)
@@ -328,4 +363,5 @@ register_method(
     "LoRA on every projection, one factor per round merged in closed form (RegMean), tasks merged by RegMean",
     "LoRM (Salami et al., ICLR 2025)",
     scenario_kinds=("class_incremental", "long_tailed"),
+    signals=(prompt_helps,),
 )

@@ -1,9 +1,10 @@
 """Gram matrices XᵀX of the inputs of linear layers on a client's data — what RegMean-style merging uploads.
 
-One no-grad pass over the client's data (fixed eval transform); forward hooks on the given `nn.Linear` modules
-record their inputs, every token of every image (a ViT projection sees B·N rows per batch), accumulated in
-float64. The features returned by `features(x)` (the head's input) get their Gram too. `diagonal=True` keeps
-only Σ x² per input dimension, all a diagonal (γ = 0) RegMean merge needs and far cheaper for wide layers.
+One no-grad pass over the client's data (the eval transform, or LoRM's `gram_images: train` augmentation); forward
+hooks on the given `nn.Linear` modules record their inputs, every token of every image (a ViT projection sees B·N
+rows per batch), accumulated in float64. The features returned by `features(x)` (the head's input) get their Gram
+too. `diagonal=True` keeps only Σ x² per input dimension, all a diagonal (γ = 0) RegMean merge needs and far cheaper
+for wide layers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 
 
@@ -32,11 +33,15 @@ def input_grams(
     device: torch.device,
     diagonal: bool = False,
     batch_size: int = 128,
+    generator: torch.Generator | None = None,
+    passes: int = 1,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """({name: Gram of that module's inputs}, Gram of the features) over `data`, float64 on the CPU.
 
     Module Grams are (n, n), or their (n,) diagonal with `diagonal=True`; the feature Gram is always full (d, d).
-    Empty data gives ({}, None).
+    `passes` passes over the data add up (fed-mammoth's `regmean_rounds`); an augmenting `transform` draws from
+    `generator` (without one the transform does not augment). The batch is `nograd_batch(device, batch_size)` (it
+    changes the Grams only at float rounding). Empty data gives ({}, None).
     """
     grams: dict[str, torch.Tensor] = {}
     feats: dict[str, torch.Tensor] = {}
@@ -44,9 +49,11 @@ def input_grams(
         m.register_forward_hook(lambda _m, inputs, _out, name=name: _accumulate(grams, name, inputs[0], diagonal))
         for name, m in modules.items()
     ]
+    batch = nograd_batch(device, batch_size)
     try:
-        for x, _ in data.batches(batch_size, transform, device=device):
-            _accumulate(feats, "features", features(x), False)
+        for _ in range(passes):
+            for x, _ in data.batches(batch, transform, generator, device=device):
+                _accumulate(feats, "features", features(x), False)
     finally:
         for h in handles:
             h.remove()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
+
+Solve = Literal["pinv", "inverse"]
 
 
 def regularize_gram(gram: torch.Tensor, decay: float) -> torch.Tensor:
@@ -26,11 +29,12 @@ def project_gram(a: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return (a * g) @ a.T if g.dim() == 1 else a @ g @ a.T
 
 
-def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> torch.Tensor:
-    """RegMean's closed-form merge W* = (Σ_k W_k·G_k)·(Σ_k G_k)⁺ of linear maps W_k (m, n) whose inputs have Gram
+def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor], solve: Solve = "pinv") -> torch.Tensor:
+    """RegMean's closed-form merge W* = (Σ_k W_k·G_k)·(Σ_k G_k)⁻¹ of linear maps W_k (m, n) whose inputs have Gram
     matrices G_k = X_kᵀX_k (n, n) — the minimiser of Σ_k ‖X_k·W*ᵀ − X_k·W_kᵀ‖²_F. A diagonal Gram may be given
     as its (n,) diagonal (all must then be diagonal): every input column is then a weighted mean. Solved in
-    float64 with a pseudo-inverse (a direction no client's inputs reach gets 0), returned in W_0's dtype."""
+    float64, returned in W_0's dtype. `solve`: "pinv" (a pseudo-inverse: a direction no client's inputs reach
+    gets 0) or "inverse" (`torch.linalg.inv`, as fed-mammoth merges LoRM's head; a singular sum raises)."""
     if not weights or len(weights) != len(grams):
         raise ValueError(f"regmean needs one Gram per weight, got {len(weights)} weights and {len(grams)} Grams")
     diagonal = grams[0].dim() == 1
@@ -42,8 +46,20 @@ def regmean(weights: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> t
     total = torch.stack(gs).sum(0)
     if diagonal:
         num = torch.stack([w * g for w, g in zip(ws, gs, strict=True)]).sum(0)
-        inv = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total))
+        if solve == "inverse":
+            inv = 1.0 / total
+        else:
+            inv = torch.where(total > 0, 1.0 / total.clamp_min(1e-300), torch.zeros_like(total))
         return (num * inv).to(weights[0].device, weights[0].dtype)
     num = torch.stack([w @ g for w, g in zip(ws, gs, strict=True)]).sum(0)
-    return (num @ torch.linalg.pinv(total, hermitian=True)).to(weights[0].device, weights[0].dtype)
-
+    if solve == "inverse":
+        try:
+            inv = torch.linalg.inv(total)
+        except torch.linalg.LinAlgError:
+            raise ValueError(
+                "regmean: the summed Gram matrix is singular, so it has no inverse (some input direction reaches no "
+                "client); use a pseudo-inverse (LoRM: method.head_solve: pinv) or a Gram decay below 1"
+            ) from None
+    else:
+        inv = torch.linalg.pinv(total, hermitian=True)
+    return (num @ inv).to(weights[0].device, weights[0].dtype)

@@ -56,6 +56,7 @@ from promptfcl.methods.base import register_method
 from promptfcl.methods.base.fedavg import RoundServer, SupervisedClient, loss_scalars
 from promptfcl.methods.pilora.incremental_lora import IncrementalQVLoRA
 from promptfcl.methods.pilora.prototypes import prototype_reweight
+from promptfcl.methods.pilora.signals import check_reweighting
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
 from promptfcl.seeding import torch_generator
@@ -274,4 +275,5 @@ register_method(
     "incremental orthogonal q/v LoRA per task + nearest-prototype classifier with server-side prototype re-weighting",
     "PILoRA (Guo et al., ECCV 2024)",
     scenario_kinds=("class_incremental",),
+    signals=(check_reweighting,),
 )
