@@ -25,7 +25,7 @@ difference (`paper_delta`), and a status (defined in `STATUSES`, printed on the 
 paired seed of the two cells must have run the identical `scenario.json` (a missing one is an error), and the
 paired runs must come from one clean commit (`environment.json`), unless `provenance_note` says why the commits
 that differ are safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
-`*_helps` checks, McNemar pooled over the paired seeds) and the worse cell beats its own head-only control
+`*_mechanism` checks, McNemar pooled over the paired seeds, `helps`) and the worse cell beats its own head-only control
 (`controls: [{role: head_only, …}]`): otherwise the better cell would beat an inert peer. Values are read from
 the committed study summaries (`summary.json`) and run directories, never typed in.
 """
@@ -164,8 +164,8 @@ def provenance(dirs: list[Path]) -> dict[str, Any]:
 
 
 def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
-    """Per mechanism check of the runs (`prompt_helps`, `<component>_helps`): the paired counts pooled over the runs
-    (right only with the component, right only without) and McNemar's verdict on them."""
+    """Per mechanism check of the runs (`prompt_mechanism`, `<component>_mechanism`): the paired counts pooled over
+    the runs (right only with the component, right only without) and McNemar's verdict on them."""
     from promptfcl.evaluation.prompt_effect import mcnemar
 
     pooled: dict[str, list[int]] = {}
@@ -176,9 +176,9 @@ def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
         m = json.loads(path.read_text())
         for check in (m.get("validity") or {}).get("checks", []):
             name = check["name"]
-            if not name.endswith("_helps"):
+            if not name.endswith("_mechanism"):
                 continue
-            component = name[: -len("_helps")]
+            component = name[: -len("_mechanism")]
             effect = m.get("prompt_effect") if component == "prompt" else (m.get("ablations") or {}).get(component)
             counts = pooled.setdefault(name, [0, 0])
             if effect and effect.get("gained") is not None:

@@ -29,14 +29,14 @@ def test_paired_difference_matches_a_hand_computed_interval() -> None:
 
 def run_dirs(study, cell: str, seeds, commit: str = "abc123", dirty: bool = False, helps: tuple | None = None) -> None:
     """A cell's run directories as a study leaves them: scenario, environment (git) and, with `helps` = (gained,
-    lost), a metrics.json whose prompt_helps check has those paired counts."""
+    lost), a metrics.json whose prompt_mechanism check has those paired counts."""
     for seed in seeds:
         d = study / cell / f"seed{seed}"
         d.mkdir(parents=True, exist_ok=True)
         (d / "scenario.json").write_text(json.dumps({"seed": seed}))
         (d / "environment.json").write_text(json.dumps({"git": {"commit": commit, "dirty": dirty}}))
         if helps is not None:
-            checks = [{"name": "prompt_helps", "passed": True, "verdict": "?"}]
+            checks = [{"name": "prompt_mechanism", "passed": True, "verdict": "?"}]
             effect = {"gained": helps[0], "lost": helps[1]}
             (d / "metrics.json").write_text(json.dumps({"validity": {"checks": checks}, "prompt_effect": effect}))
 
@@ -97,7 +97,7 @@ def test_a_claim_is_not_reproduced_on_an_idle_mechanism_or_an_inert_peer(tmp_pat
     run_dirs(tmp_path / "study", "old", range(5), helps=(10, 9))  # pooled 50 vs 45: neutral
     claims, base = load_claims(tmp_path / "claims.yaml")
     result = evaluate_claim(claims.claims[0], base)
-    assert result["status"] == "inconclusive" and "old's prompt_helps is neutral" in result["reason"]
+    assert result["status"] == "inconclusive" and "old's prompt_mechanism is neutral" in result["reason"]
     run_dirs(tmp_path / "study", "old", range(5), helps=(30, 5))
     assert evaluate_claim(claims.claims[0], base)["status"] == "reproduced"
     rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]

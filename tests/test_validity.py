@@ -21,7 +21,7 @@ from promptfcl.evaluation.validity import (
     check_prompt_benefit,
     failed_checks,
     gate,
-    prompt_helps,
+    prompt_mechanism,
 )
 from promptfcl.experiment import Experiment, parameter_moves
 from promptfcl.methods import METHODS
@@ -134,14 +134,17 @@ def effect(gained: int, lost: int, total: int = 1000, on: float = 40.0) -> dict:
             "gained": gained, "lost": lost, "mcnemar_p": p, "verdict": verdict}  # fmt: skip
 
 
-def test_prompts_that_hurt_fail_the_gate_and_neutral_ones_fail_only_a_prompt_mechanism() -> None:
+def test_prompts_that_hurt_fail_the_gate_and_a_mechanism_must_be_active() -> None:
     assert check_prompt_benefit(effect(80, 20)).passed
     assert check_prompt_benefit(effect(40, 38)).passed  # neutral: recorded, not a failure of the generic gate
     assert check_prompt_benefit(effect(20, 80)).verdict == "hurts"
     assert not check_prompt_benefit(effect(20, 80)).passed
-    assert prompt_helps(RunEvidence(prompt_effect=effect(80, 20))).passed
-    assert not prompt_helps(RunEvidence(prompt_effect=effect(40, 38))).passed  # a prompt method whose prompt idles
-    assert not prompt_helps(RunEvidence(prompt_effect=None)).passed
+    assert prompt_mechanism(RunEvidence(prompt_effect=effect(80, 20))).passed
+    neutral = prompt_mechanism(RunEvidence(prompt_effect=effect(40, 38)))
+    assert neutral.passed and neutral.verdict == "neutral"  # active, no significant benefit: recorded for claims
+    assert not prompt_mechanism(RunEvidence(prompt_effect={**effect(3, 2), "changed": 0.5})).passed  # inert
+    assert not prompt_mechanism(RunEvidence(prompt_effect=effect(20, 80))).passed  # hurts
+    assert not prompt_mechanism(RunEvidence(prompt_effect=None)).passed  # off
 
 
 def logged(*rounds: dict) -> RunEvidence:
@@ -213,13 +216,14 @@ PERSONAL = {
     "eval": {"regime": "client_local", "batch_size": 32},
 }  # fmt: skip
 SWITCHED_OFF = {  # a method family's defining mechanism switched off (or left at its init) → the checks it must fail
-    "hgp without rebalancing": (tiny_raw(method={**HGP, "rebalance": "none"}), {"rebalancing_on", "rebalancing_helps"}),
+    "hgp without rebalancing": (tiny_raw(method={**HGP, "rebalance": "none"}),
+                                {"rebalancing_on", "rebalancing_mechanism"}),
     "hepco without distillation": (tiny_raw(method={**HEPCO, "server_kd": False}),
-                                   {"distillation_on", "distillation_helps"}),
+                                   {"distillation_on", "distillation_mechanism"}),
     "c2prompt without lcdc": (deep_update(tiny_raw(), {**ASYNC, "method": {**C2P, "lcdc": False}}), {"lcdc_on"}),
     "fedmgp without local prompts": ({**deep_update(tiny_raw(), PERSONAL), "method": {**FEDMGP, "local_prompt": False}},
                                      {"local_prompts_on"}),
-    "prompts left at their init": (tiny_raw(method={"lr": 0.0}), {"parameters_moved", "prompt_helps"}),
+    "prompts left at their init": (tiny_raw(method={"lr": 0.0}), {"parameters_moved"}),
 }  # fmt: skip
 
 
@@ -239,5 +243,6 @@ def test_hgp_records_its_rebalancing_ablation_and_is_held_to_it(tmp_path) -> Non
     assert ablation["changed"] > 0  # the FedAvg head, not the rebalanced one, is what the ablation predicts with
     checks = {c["name"]: c for c in metrics["validity"]["checks"]}
     assert checks["rebalancing_on"]["passed"]
-    assert checks["rebalancing_helps"]["verdict"] == ablation["verdict"]
-    assert checks["rebalancing_helps"]["passed"] == (ablation["verdict"] == "helps")
+    assert checks["rebalancing_mechanism"]["verdict"] == ablation["verdict"]
+    active = ablation["changed"] >= 1.0 and ablation["verdict"] != "hurts"
+    assert checks["rebalancing_mechanism"]["passed"] == active

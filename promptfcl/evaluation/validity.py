@@ -29,8 +29,12 @@ them are `invalid` (`promptfcl.claims`). The generic checks, and why each thresh
   least one for its defining mechanism, which must fail when that mechanism is switched off. Each reads the run's
   evidence (`RunEvidence`: config, round log, tasks learned, prompt effect, component ablations) and returns a
   `Check`, or None when it does not apply. The builders below serve the common cases: `switch_on` (the defining
-  switch is on), `prompt_helps` (the prompts help, for methods whose mechanism is the prompt), `component_helps`
-  (a server-side component helps: the regime compares the final model with the server's `ablations()`).
+  switch is on), `prompt_mechanism` (for methods whose mechanism is the prompt) and `component_mechanism` (a
+  server-side component: the regime compares the final model with the server's `ablations()`). A mechanism check
+  fails when the component is off, changes under `MIN_ACTIVE` % of the test predictions (inert: a measurable effect
+  is what "active" means) or significantly hurts; its helps / neutral / hurts verdict is recorded, and a claim needs
+  `helps` (pooled over its seeds) to be reproduced — being active is evidence the run is what it says it is, helping
+  is evidence for the paper's claim.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ LOSS_FRACTION = 0.5
 CHANCE_P = 1e-3
 LEARN_FLOOR = 2.0  # × chance
 MIN_MOVE = 1e-3  # summed relative move of a tensor group over the run
+MIN_ACTIVE = 1.0  # % of test predictions a mechanism must change to count as active
 
 
 @dataclass
@@ -212,30 +217,31 @@ def switch_on(name: str, key: str, what: str) -> Signal:
     return check
 
 
-def prompt_helps(run: RunEvidence) -> Check | None:
-    """The run's prompts (its defining mechanism) help: McNemar verdict `helps` on its own test set."""
-    effect = run.prompt_effect
+def mechanism_check(name: str, effect: dict[str, Any] | None, what: str) -> Check:
+    """A component's mechanism check from its with / without measurement: it fails when the component was not
+    measured (off), changed under `MIN_ACTIVE` % of the predictions (inert) or significantly hurts; its McNemar
+    verdict is recorded (claims need `helps`, pooled over seeds: `promptfcl.claims`)."""
     if not effect or not effect.get("applicable", True) or effect.get("verdict") is None:
-        return Check("prompt_helps", None, "prompt effect measured", False, "no prompt effect recorded")
-    gain = effect.get("accuracy", float("nan")) - effect.get("accuracy_off", float("nan"))
-    ok = effect["verdict"] == "helps"
-    return Check("prompt_helps", gain, "helps (McNemar, p < 0.05)", ok, effect_detail(effect), effect["verdict"])
+        return Check(name, None, f"{what} measured", False, f"no with / without measurement: {what} is off")
+    changed, verdict = float(effect.get("changed") or 0.0), effect["verdict"]
+    ok = changed >= MIN_ACTIVE and verdict != "hurts"
+    threshold = f"≥ {MIN_ACTIVE:g} % of predictions changed and not hurts (McNemar, p < 0.05)"
+    return Check(name, changed, threshold, ok, effect_detail(effect), verdict)
 
 
-def component_helps(component: str, what: str) -> Signal:
-    """A signal that the server-side component `component` (an entry of the server's `ablations()`) helps: the
-    final model against itself without that component, McNemar verdict `helps`; absent when the component is off."""
+def prompt_mechanism(run: RunEvidence) -> Check:
+    """The prompts (the method's defining mechanism) are active in its own run and do not hurt."""
+    return mechanism_check("prompt_mechanism", run.prompt_effect, "the prompts")
+
+
+def component_mechanism(component: str, what: str) -> Signal:
+    """A signal that the server-side component `component` (an entry of the server's `ablations()`) is active and
+    does not hurt: the final model against itself without that component; absent when the component is off."""
 
     def check(run: RunEvidence) -> Check:
-        effect = run.ablations.get(component)
-        name = f"{component}_helps"
-        if not effect:
-            return Check(name, None, f"{what} measured", False, f"no {component} ablation recorded: {what} is off")
-        gain = effect.get("accuracy", float("nan")) - effect.get("accuracy_off", float("nan"))
-        ok = effect.get("verdict") == "helps"
-        return Check(name, gain, "helps (McNemar, p < 0.05)", ok, effect_detail(effect), effect.get("verdict"))
+        return mechanism_check(f"{component}_mechanism", run.ablations.get(component), what)
 
-    check.__name__ = f"{component}_helps"
+    check.__name__ = f"{component}_mechanism"
     return check
 
 

@@ -420,7 +420,7 @@ class ServerProgram(_Program, ABC):
         """The final global model with one of the method's server-side components taken out, by component name
         (e.g. HGP's "rebalancing": the head as FedAvg left it). The class-incremental regime compares each with the
         global model on the final test set (metrics.json `ablations`: paired counts, McNemar verdict), the evidence
-        of `validity.component_helps`. Default: none."""
+        of `validity.component_mechanism`. Default: none."""
         return {}
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:

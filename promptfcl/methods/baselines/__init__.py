@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.methods.base import FedAvgParams, FedAvgServer, SupervisedClient, register_method
 from promptfcl.methods.base.finetune import FullFineTuneParams, build_finetuned_model
 from promptfcl.methods.base.prompt_models import (
@@ -56,7 +56,7 @@ class FedViTParams(FedAvgParams):
 register_method(
     "fedavg_prompt", FedAvgPromptParams, FedAvgServer, SupervisedClient, build_prefix_model,
     "one shared prefix prompt + linear head, sample-weighted FedAvg", "HGP (prompt-only ablation)",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )  # fmt: skip
 register_method(
     "fedvit", FedViTParams, FedAvgServer, SupervisedClient, build_head_only_model,
@@ -69,21 +69,21 @@ register_method(
 register_method(
     "fedl2p", L2PParams, FedAvgServer, SupervisedClient, build_l2p,
     "L2P prompt pool with top-k key matching + head, FedAvg", "L2P (CVPR 2022)",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )  # fmt: skip
 register_method(
     "feddualprompt", DualPromptParams, FedAvgServer, SupervisedClient, build_dualprompt,
     "DualPrompt G/E prompts + head, FedAvg", "DualPrompt (ECCV 2022)",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )  # fmt: skip
 register_method(
     "fedcodap", CodaParams, FedAvgServer, SupervisedClient, build_codap,
     "CODA-Prompt components, keys, attention vectors + head, FedAvg", "CODA-Prompt (CVPR 2023)",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )  # fmt: skip
 register_method(
     "fedavg_prompt_pool", WeightedPoolParams, FedAvgServer, SupervisedClient, build_weighted_pool,
     "HePCo's FedAvg-Prompt: weighted prompt pool + head, uniform average, no server distillation",
     "HePCo (TMLR 2024) baseline",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )  # fmt: skip

@@ -84,7 +84,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.aggregation import RunningMean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, ReplyFold, RoundInfo, handles
@@ -629,7 +629,7 @@ register_method(
     "C2Prompt (arXiv 2509.19674)",
     builds_on=("powder",),
     variant=lambda p: (C2PromptPowderServer, C2PromptPowderClient) if p.base == "powder" else None,
-    signals=(lcdc_on, cpa_on, check_lcdc, check_cpa_mixes, prompt_helps),
+    signals=(lcdc_on, cpa_on, check_lcdc, check_cpa_mixes, prompt_mechanism),
 )
 register_method(
     "codap_direct",
@@ -639,5 +639,5 @@ register_method(
     build_model,
     "direct single-task reference for FWT: a fresh CODA-P prompt + head per (client, task), no federation",
     "Powder's *_direct runs",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )

@@ -1,6 +1,6 @@
 """C2Prompt's validity signals: LCDC and CPA are on (`lcdc_on`, `cpa_on`); LCDC's compensation prompts bring the
 features closer to the global class Gaussians than the unprompted ones (`lcdc`: NLL after LCDC < unprompted NLL,
-means over rounds); CPA mixes beyond FedAvg (`cpa_mixes`); and the prompts help (`validity.prompt_helps`)."""
+means over rounds); CPA mixes beyond FedAvg (`cpa_mixes`); and the prompts help (`validity.prompt_mechanism`)."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from promptfcl.clip_model import ClipClassifier
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
@@ -95,7 +95,7 @@ from promptfcl.methods.capt.clustering import (
     normalise,
     pairwise_distance,
 )
-from promptfcl.methods.capt.signals import check_clustering, class_prompts_helps, clustering_on
+from promptfcl.methods.capt.signals import check_clustering, class_prompts_mechanism, clustering_on
 from promptfcl.methods.clip_baselines import ClipFedAvgParams, build_clip_model
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.scenario.long_tail import class_groups
@@ -485,5 +485,5 @@ register_method(
     "CLIP general + class-aware prompts, V-L coupling, JS / complementarity client clustering, bandit sync",
     "CAPT (Hou et al., arXiv 2503.06993)",
     builds_on=("promptfl", "maple_fedavg"),
-    signals=(prompt_helps, class_prompts_helps, clustering_on, check_clustering),
+    signals=(prompt_mechanism, class_prompts_mechanism, clustering_on, check_clustering),
 )

@@ -1,15 +1,15 @@
-"""CAPT's validity signals: its learned prompts beat zero-shot CLIP (`validity.prompt_helps`), its class-aware
-prompts help beside the general ones (`class_prompts_helps`: the final model against itself reading only P_g,
+"""CAPT's validity signals: its learned prompts beat zero-shot CLIP (`validity.prompt_mechanism`), its class-aware
+prompts help beside the general ones (`class_prompts_mechanism`: the final model against itself reading only P_g,
 McNemar), and its similarity clustering is on and groups clients whose label distributions are closer than random
 groups of the same sizes (`clustering`: mean `sim_cluster_gain` ≥ `MIN_CLUSTER_GAIN`)."""
 
 from __future__ import annotations
 
-from promptfcl.evaluation.validity import Check, RunEvidence, component_helps, mean, series, switch_on
+from promptfcl.evaluation.validity import Check, RunEvidence, component_mechanism, mean, series, switch_on
 
 MIN_CLUSTER_GAIN = 0.05  # 1 − within-cluster distance / random groups'
 
-class_prompts_helps = component_helps("class_prompts", "the class-aware prompts")
+class_prompts_mechanism = component_mechanism("class_prompts", "the class-aware prompts")
 clustering_on = switch_on("clustering_on", "clustering", "client clustering")
 
 

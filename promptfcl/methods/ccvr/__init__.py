@@ -35,7 +35,7 @@ from promptfcl.methods.base import register_method
 from promptfcl.methods.base.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
 from promptfcl.methods.base.finetune import FineTunedClassifier
 from promptfcl.methods.base.prompt_models import build_prefix_model as prompt_model
-from promptfcl.methods.base.signals import rebalancing_helps, rebalancing_on
+from promptfcl.methods.base.signals import rebalancing_mechanism, rebalancing_on
 from promptfcl.statistics.mixture import ClassWeights
 from promptfcl.training.head_calibration import CalibrationParams
 
@@ -74,5 +74,5 @@ register_method(
     build_model,
     "FedAvg + server classifier calibration on virtual features from pooled class Gaussians",
     "CCVR (Luo et al., NeurIPS 2021)",
-    signals=(rebalancing_on, rebalancing_helps),
+    signals=(rebalancing_on, rebalancing_mechanism),
 )

@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import Field
 
 from promptfcl.clip_model import ClipClassifier, ClipPromptParams
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.protocol import Grid, MethodEnv, RoundInfo
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.fedavg import FedAvgParams, FedAvgServer, SupervisedClient
@@ -97,7 +97,7 @@ register_method(
     build_clip_model,
     "CLIP + CoOp context shared by all classes, FedAvg",
     "PromptFL (Guo et al., IEEE TMC 2024); CAPT baseline",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )
 register_method(
     "maple_fedavg",
@@ -107,7 +107,7 @@ register_method(
     build_clip_model,
     "CLIP + MaPLe deep text prompts coupled to vision prompts, FedAvg",
     "MaPLe (Khattak et al., CVPR 2023) + FedAvg; CAPT Table 2",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )
 register_method(
     "cocoop_fedavg",
@@ -117,7 +117,7 @@ register_method(
     build_clip_model,
     "CLIP + CoCoOp image-conditioned context (meta-net), FedAvg",
     "CoCoOp (Zhou et al., CVPR 2022) + FedAvg; CAPT Table 2",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )
 register_method(
     "fedclip",
@@ -127,7 +127,7 @@ register_method(
     build_clip_model,
     "CLIP + attention adapter (hidden 128) on the image feature, FedAvg",
     "FedCLIP (Lu et al., IEEE DEB 2023); CAPT Table 1",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )
 register_method(
     "clip_zeroshot",

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, MethodEnv, RoundInfo
 from promptfcl.methods.base import register_method
@@ -217,5 +217,5 @@ register_method(
     "CODA-P; each client trains its own task's block (asynchronous prompt learning) with the contrastive continual "
     "loss (triplet: received vs previous-task model), FedAvg",
     "Fed-CPrompt (FL-ICML 2023)",
-    signals=(c2l_on, prompt_helps),
+    signals=(c2l_on, prompt_mechanism),
 )

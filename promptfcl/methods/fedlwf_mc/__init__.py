@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext, RoundInfo
 from promptfcl.methods.base import register_method
@@ -70,5 +70,5 @@ register_method(
     build_weighted_pool,
     "weighted prompt pool + head trained with LwF.MC distillation from the previous-task model, FedAvg",
     "LwF.MC (CVPR 2017) as in HePCo's baselines",
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )

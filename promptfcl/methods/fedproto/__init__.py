@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps, switch_on
+from promptfcl.evaluation.validity import prompt_mechanism, switch_on
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, RoundInfo
 from promptfcl.federation.validation import TensorSpec
@@ -167,5 +167,5 @@ register_method(
     build_prefix_model,
     "FedAvg'd prefix prompt + head with prototype regularisation and nearest-prototype inference",
     "FedProto (Tan et al., AAAI 2022)",
-    signals=(prototypes_on, prompt_helps),
+    signals=(prototypes_on, prompt_mechanism),
 )

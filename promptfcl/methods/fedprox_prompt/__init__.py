@@ -11,7 +11,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps, switch_on
+from promptfcl.evaluation.validity import prompt_mechanism, switch_on
 from promptfcl.federation.message import Message
 from promptfcl.federation.protocol import ClientContext
 from promptfcl.methods.base import register_method
@@ -51,5 +51,5 @@ register_method(
     build_weighted_pool,
     "weighted prompt pool + head with the FedProx proximal term, uniform average",
     "FedProx (MLSys 2020) as in HePCo's code",
-    signals=(proximal_on, prompt_helps),
+    signals=(proximal_on, prompt_mechanism),
 )

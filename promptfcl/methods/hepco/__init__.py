@@ -96,7 +96,7 @@ from promptfcl.methods.hepco.latent_generator import (
 from promptfcl.methods.hepco.signals import (
     check_generator_fidelity,
     check_stage_a,
-    distillation_helps,
+    distillation_mechanism,
     distillation_on,
 )
 from promptfcl.methods.hepco.teacher_store import StoreKind, TeacherStore
@@ -419,5 +419,5 @@ register_method(
     build_weighted_pool,
     "weighted prompt pool; server consolidates with latent generators and two-stage data-free distillation",
     "HePCo (Halbe et al., TMLR 2024)",
-    signals=(distillation_on, check_generator_fidelity, check_stage_a, distillation_helps),
+    signals=(distillation_on, check_generator_fidelity, check_stage_a, distillation_mechanism),
 )

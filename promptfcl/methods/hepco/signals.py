@@ -4,13 +4,13 @@
   `MIN_FIDELITY` fraction of the time (mean over rounds): latents that no teacher recognises teach nothing.
 - `stage_a`: prompt distillation moves the prompts by at least `MIN_STAGE_A` of the round's FedAvg move and lowers
   its loss (means over rounds).
-- `distillation_on` / `distillation_helps`: the server's consolidation is on (`server_kd`), and the final model
+- `distillation_on` / `distillation_mechanism`: the server's consolidation is on (`server_kd`), and the final model
   predicts the test set better than itself before the last round's consolidation (McNemar).
 """
 
 from __future__ import annotations
 
-from promptfcl.evaluation.validity import Check, RunEvidence, component_helps, mean, series, switch_on
+from promptfcl.evaluation.validity import Check, RunEvidence, component_mechanism, mean, series, switch_on
 
 MIN_FIDELITY = 0.5  # a fraction of the generated latents
 MIN_STAGE_A = 0.05
@@ -39,4 +39,4 @@ def check_stage_a(run: RunEvidence) -> Check | None:
 
 
 distillation_on = switch_on("distillation_on", "server_kd", "the server's data-free distillation")
-distillation_helps = component_helps("distillation", "the server's data-free distillation")
+distillation_mechanism = component_mechanism("distillation", "the server's data-free distillation")

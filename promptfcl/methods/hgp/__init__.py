@@ -54,7 +54,7 @@ from pydantic import Field
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.class_gaussians import ClassGaussianClient, ClassGaussianParams, ClassGaussianServer
 from promptfcl.methods.base.prompt_models import build_prefix_model
-from promptfcl.methods.base.signals import rebalancing_helps, rebalancing_on
+from promptfcl.methods.base.signals import rebalancing_mechanism, rebalancing_on
 from promptfcl.training.head_calibration import CalibrationParams
 
 
@@ -98,5 +98,5 @@ register_method(
     build_prefix_model,
     "shared prefix prompt + head; server rebalances the head on features sampled from client Gaussian mixtures",
     "HGP (Salami et al., 2025)",
-    signals=(rebalancing_on, rebalancing_helps),
+    signals=(rebalancing_on, rebalancing_mechanism),
 )

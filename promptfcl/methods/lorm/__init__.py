@@ -68,7 +68,7 @@ from torch import nn
 
 from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
 from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
@@ -306,6 +306,10 @@ class LoRMServer(RoundServer):
             out[s] = LoRADelta(a.to(dev, torch.float32), b.to(dev, torch.float32))
         return out
 
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """The task's module and the head under training (the evaluated model holds the merged deltas instead)."""
+        return self.model.get_state()
+
     def global_model(self) -> nn.Module:
         if not self.past:
             return self.model
@@ -363,5 +367,5 @@ register_method(
     "LoRA on every projection, one factor per round merged in closed form (RegMean), tasks merged by RegMean",
     "LoRM (Salami et al., ICLR 2025)",
     scenario_kinds=("class_incremental", "long_tailed"),
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )

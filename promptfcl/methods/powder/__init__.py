@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from promptfcl.evaluation.validity import prompt_helps
+from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import ClientContext, Grid, MethodEnv, RoundInfo, handles
 from promptfcl.federation.validation import ReplySchema, TensorSpec
@@ -506,5 +506,5 @@ register_method(
     "owner aggregation, not-true distillation",
     "Powder (ICML 2024)",
     scenario_kinds=("asynchronous",),
-    signals=(prompt_helps,),
+    signals=(prompt_mechanism,),
 )
