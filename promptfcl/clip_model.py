@@ -108,6 +108,7 @@ class ClipClassifier(ExchangedModel):
             e, hidden = backbone.embed_dim, max(1, backbone.embed_dim // 16)
             self.meta_net = nn.Sequential(nn.Linear(e, hidden), nn.ReLU(), nn.Linear(hidden, w)).to(device)
         self._fixed: torch.Tensor | None = None
+        self._no_grad_text: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     def _init_words(self, words: str | None) -> torch.Tensor | None:
         if not words:
@@ -167,6 +168,19 @@ class ClipClassifier(ExchangedModel):
             return self._fixed
         if variant not in self.variants:
             raise ValueError(f"this model has no {variant!r} text prompts (it has {self.variants})")
+        if torch.is_grad_enabled():
+            return self._encode_variant(variant)
+        # no-grad passes (evaluation, statistics) encode each variant's class texts once, not once per image batch:
+        # the features depend only on this module's own tensors (the towers are frozen), so the key is their
+        # identity, storage, in-place version and sum (the sum catches writes through `.data`, which skip the version)
+        key = tuple((id(t), t.data_ptr(), t._version, float(t.sum())) for t in (*self.parameters(), *self.buffers()))
+        cached = self._no_grad_text.get(variant)
+        if cached is None or cached[0] != key:
+            cached = (key, self._encode_variant(variant))
+            self._no_grad_text[variant] = cached
+        return cached[1]
+
+    def _encode_variant(self, variant: Variant) -> torch.Tensor:
         embeds: torch.Tensor = getattr(self, f"embeds_{variant}")
         tokens: torch.Tensor = getattr(self, f"tokens_{variant}")
         c = embeds.shape[0]

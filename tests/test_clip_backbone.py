@@ -124,3 +124,33 @@ def test_cocoop_context_is_conditioned_on_the_image(clip) -> None:
     assert torch.allclose(t[0], m.text_features("general"), atol=1e-5) and torch.allclose(t[1], t[0], atol=1e-5)
     m(x).sum().backward()
     assert m.meta_net[2].weight.grad.abs().sum() > 0
+
+
+def test_no_grad_passes_encode_the_class_texts_once_and_see_every_prompt_change(clip, monkeypatch) -> None:
+    from promptfcl.clip_model import ClipClassifier, ClipPromptParams
+
+    m = ClipClassifier(clip, ["cat", "dog", "bird"], ClipPromptParams(n_ctx=2, class_ctx=2))
+    calls = []
+    encode = clip.encode_text
+    monkeypatch.setattr(clip, "encode_text", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    x = torch.rand(2, 3, 32, 32)
+    with torch.no_grad():
+        first = m(x)
+        n = len(calls)
+        assert torch.equal(m(x), first) and len(calls) == n  # a second batch reuses the class texts
+
+        def changed(write) -> bool:
+            write()
+            before = len(calls)
+            out = m(x)
+            with torch.enable_grad():
+                reference = m(x).detach()  # encodes from scratch
+            return len(calls) > before and torch.allclose(out, reference, atol=1e-5)
+
+        assert changed(lambda: m.ctx.add_(0.5))  # an optimizer-style in-place step
+        assert changed(lambda: m.class_ctx.data.copy_(torch.randn_like(m.class_ctx)))  # a write through .data
+        assert changed(lambda: m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()}))
+    with torch.enable_grad():
+        n = len(calls)
+        m(x)
+        assert len(calls) > n  # training passes always encode (they need the graph)

@@ -24,7 +24,8 @@ Algorithm:
 
 Switches (→ default, and why):
 - `lora_sum`: "products" (Σ_i B_i·A_i: the paper's "sum of the tasks' LoRA modules" [N]) | "factors"
-  ((Σ B_i)(Σ A_i), what both codes compute) → products, the paper's description.
+  ((Σ B_i)(Σ A_i), what the authors' code computes; fed-mammoth's `pilora3` sums the per-task products) →
+  products, the paper's description.
 - `train_with_old`: true (training forward includes the previous tasks' frozen LoRA, as [M] and as evaluation
   does) | false (the official code trains task t's LoRA alone) → true [I]: the model trained is the one evaluated.
 - `l1_weight`: 0.01 (both codes) | 0 (the loss the paper's summary gives) → code; we could not read the paper.

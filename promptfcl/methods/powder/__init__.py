@@ -52,8 +52,8 @@ Paper-vs-code and our switches (→ default):
 - Prompt injection: the run's code ("v2") prepends the 8 prompt tokens as extra input tokens to blocks 4-6 and reads
   the CLS at index 24; here the backbone's one prefix path (half keys, half values — the same code's non-"v2"
   path and CODA-P's) [I: promptfcl has one injection mechanism].
-- CE over the task's own slots (`train_logits: current_task`); the code's CE runs over all 500 logits with the
-  other tasks' head rows frozen. With task-aware evaluation only the own slots compete at test time.
+- CE over the task's own slots (`train_logits: current_task`), as the code (its training forward sets every other
+  class's logit to -inf). With task-aware evaluation only the own slots compete at test time.
 - The signature of a client's previous task is not re-measured when the client switches (the code re-reads that
   task's images from the shared dataset object; a client here holds only its current task's data) [I]; old
   tasks still take in new tasks' blocks through the similarity over their common columns.
