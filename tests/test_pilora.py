@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from promptfcl.federation.message import Message
-from promptfcl.methods.pilora import PILoRAServer
+from promptfcl.methods.pilora import PILoRAServer, PrototypeLoRAClassifier
 from promptfcl.methods.pilora.incremental_lora import IncrementalQVLoRA, orthogonality_loss
 from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.runtime import Runtime
@@ -169,6 +169,9 @@ def test_prototype_logits_are_scaled_distances(runtime: Runtime) -> None:
     want = -((f.unsqueeze(1) - protos.unsqueeze(0)).pow(2).sum(-1) / f.shape[1]).sqrt()
     assert torch.allclose(-model.distances(f), want, atol=1e-5)
     assert torch.equal(protos[list(runtime.env.label_space.tasks[1].logits)], model.protos["1"].detach())
+    squared = PrototypeLoRAClassifier(runtime.env, server.params.model_copy(update={"distance": "squared"}))
+    squared.load_state_dict(model.state_dict())
+    assert torch.allclose(-squared.distances(f), -want.pow(2), atol=1e-5)
 
 
 @pytest.mark.slow

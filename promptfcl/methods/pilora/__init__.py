@@ -31,6 +31,8 @@ Switches (→ default, and why):
 - `l1_weight`: 0.01 (both codes) | 0 (the loss the paper's summary gives) → code; we could not read the paper.
 - `reweight_temperature`: 0.2 ([C] divides by 0.2); [M] multiplies by 0.2, which equals 5.0 here.
 - `round_lr_schedule`: "cosine" over the task's rounds [C] | "constant" [M].
+- `distance`: "root", d_c = √(‖f − m_c‖²/D) (fed-mammoth's `pilora3`, the code behind HGP's Table 1 row) |
+  "squared", ‖f − m_c‖²/D (the authors' `CPN.py` `compute_distance`) → root, the code our claims compare against.
 Deviations: class means are computed after local training in one eval-transform pass with the trained model
 ([C] averages the training batches' features over all epochs, [M] uses the frozen backbone without LoRA);
 [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the scenario fixes
@@ -89,6 +91,11 @@ class PILoRAParams(LocalTrainingParams):
     train_with_old: bool = True
     round_lr_schedule: Literal["cosine", "constant"] = "cosine"
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the LoRA")
+    distance: Literal["root", "squared"] = Field(
+        "root",
+        description="d_c = √(‖f − m_c‖²/D) (fed-mammoth's pilora3) or ‖f − m_c‖²/D (the authors' CPN.py "
+        "compute_distance)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> PILoRAParams:
@@ -112,6 +119,7 @@ class PrototypeLoRAClassifier(ExchangedModel):
         order = torch.tensor([j for t in space.tasks for j in t.logits])
         self.register_buffer("row_of_logit", torch.argsort(order), persistent=False)
         self.temperature = p.temperature
+        self.squared = p.distance == "squared"
 
     def set_task(self, task: int) -> None:
         self.prompt.set_task(task)
@@ -126,8 +134,9 @@ class PrototypeLoRAClassifier(ExchangedModel):
         return self.backbone(x, self.prompt(x.shape[0]))
 
     def distances(self, f: torch.Tensor) -> torch.Tensor:
-        """d_c = √(‖f − m_c‖² / D) for every class (the official `compute_distance`)."""
-        return torch.cdist(f, self.prototypes()).pow(2).div(f.shape[1]).clamp_min(1e-12).sqrt()
+        """d_c = √(‖f − m_c‖² / D) for every class, or ‖f − m_c‖² / D with `distance: squared`."""
+        squared = torch.cdist(f, self.prototypes()).pow(2).div(f.shape[1])
+        return squared if self.squared else squared.clamp_min(1e-12).sqrt()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return -self.distances(self.features(x)) / self.temperature
