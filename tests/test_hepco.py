@@ -303,3 +303,25 @@ def test_proximal_term_and_lwf_mc_distillation() -> None:
     assert torch.allclose(lwf_mc_loss(logits, y, prev, old=2, seen=3), expect)
     no_prev = torch.nn.functional.binary_cross_entropy_with_logits(logits[:, 2:3], torch.ones(1, 1))
     assert torch.allclose(lwf_mc_loss(logits, y, None, old=2, seen=3), no_prev)
+
+
+@pytest.mark.parametrize("direction", ["client_server", "server_client"])
+def test_generator_kl_term_follows_its_direction(direction: str) -> None:
+    """`kl_direction`: the code's KL(client ‖ server) or the paper's KL(server ‖ client) (Eq. 4a)."""
+    from promptfcl.methods.hepco.latent_generator import disagreement
+
+    torch.manual_seed(0)
+    z, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    head = torch.nn.Linear(4, 3)
+    teacher = Teacher(head, lambda z: torch.zeros(z.shape[0], 1), torch.ones(3))
+    s_logp = F.log_softmax(torch.randn(6, 3), dim=1)
+    cols, remap = torch.arange(3), torch.arange(3)
+    got = disagreement(teacher, y, cols, remap, 1.0, 0.0, z, s_logp, torch.zeros(6, 1), kl_direction=direction)
+    t_logp = F.log_softmax(head(z), dim=1)
+    p, q = (t_logp, s_logp) if direction == "client_server" else (s_logp, t_logp)
+    kl = F.kl_div(q, p, log_target=True, reduction="none").sum(1)  # KL(p ‖ q)
+    want = (F.cross_entropy(head(z), y, reduction="none") - kl).sum()
+    assert torch.allclose(got, want, atol=1e-5)
+    other = disagreement(teacher, y, cols, remap, 1.0, 0.0, z, s_logp, torch.zeros(6, 1),
+                         kl_direction="server_client" if direction == "client_server" else "client_server")
+    assert not torch.allclose(got, other, atol=1e-3)  # the two directions differ here

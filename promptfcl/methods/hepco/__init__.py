@@ -28,7 +28,8 @@ saw counted as 1 (over all logits), and computes KL(client ‖ server) (`KLDivLo
   of — with κ = 0.6 that is 40 % of each task's classes) | "uniform" (paper Eq. 2–4, 6: weight 1 for every client
   and class) → code, because the paper's numbers come from it and its unweighted sum would make each client
   teach classes it never saw.
-- The KL is KL(client ‖ server), as the code computes it (`training.latent_generator`); no switch yet.
+- `kl_direction`: "client_server", KL(client ‖ server), as the code computes it | "server_client", the paper's
+  Eq. 4a → code, the direction behind the paper's numbers and every committed HePCo run.
 
 Choices (switch → default):
 - `lr`: 1e-3 (paper Appendix A, "Hyperparameter Search": "a learning rate of 1e-3 for our method and the
@@ -113,6 +114,10 @@ class HePCoParams(WeightedPoolParams):
     )
     server_kd: bool = True
     lambda_kl: float = Field(1.0, ge=0)
+    kl_direction: Literal["client_server", "server_client"] = Field(
+        "client_server",
+        description="the generator's KL term: KL(client ‖ server) (the official code) | KL(server ‖ client) (Eq. 4a)",
+    )
     lambda_mse: float = Field(0.1, ge=0)
     generator_iterations: int = Field(100, ge=0)
     generator_extra_per_task: int = Field(50, ge=0, description="old-task generator: + this × task iterations")
@@ -324,7 +329,7 @@ class HePCoServer(PreviousTaskServer):
         g_new = LatentGenerator(space.num_logits, self.env.backbone.embed_dim).to(dev)
         losses = train_generator(
             g_new, teachers, student.head, self.student_prompts, hist_new, seen, p.generator_iterations,
-            p.kd_batch_size, p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
+            p.kd_batch_size, p.generator_lr, p.lambda_kl, p.lambda_mse, gen, p.kl_direction,
         )  # fmt: skip
         metrics = {
             "generator_loss": losses[-1] if losses else float("nan"),
@@ -341,7 +346,7 @@ class HePCoServer(PreviousTaskServer):
             train_generator(
                 g_old, [prev_teacher], student.head, self.student_prompts, old.double(), seen,
                 p.generator_iterations + p.generator_extra_per_task * info.stage, p.kd_batch_size,
-                p.generator_lr, p.lambda_kl, p.lambda_mse, gen,
+                p.generator_lr, p.lambda_kl, p.lambda_mse, gen, p.kl_direction,
             )  # fmt: skip
             metrics["old_generator_fidelity"] = latent_fidelity(g_old, [prev_teacher], old.double(), seen, info)
             latents.add_old(g_old, old.double(), round(p.kd_batch_size * p.replay_ratio), prev_teacher)

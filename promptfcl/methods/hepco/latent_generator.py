@@ -93,14 +93,17 @@ def disagreement(
     z: torch.Tensor,
     s_logp: torch.Tensor,
     s_prompt: torch.Tensor,
+    kl_direction: str = "client_server",
 ) -> torch.Tensor:
     """One teacher's term of the generator loss, Σ_batch w_t(y)·(CE(φ_t(z), y) − λ_KL·KL(φ_t ‖ φ_s) −
-    λ_MSE·‖ρ_s − ρ_t‖²), with logits restricted to the columns `cols` (labels remapped by `remap`)."""
+    λ_MSE·‖ρ_s − ρ_t‖²), with logits restricted to the columns `cols` (labels remapped by `remap`);
+    `kl_direction: server_client` takes KL(φ_s ‖ φ_t) instead (the paper's Eq. 4a)."""
     w = t.weight.to(z.device)[y]
     t_logits = t.logits(z)[:, cols]
     ce = F.cross_entropy(t_logits, remap[y], reduction="none")
     t_logp = F.log_softmax(t_logits, dim=1)
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(1)
+    p, q = (t_logp, s_logp) if kl_direction == "client_server" else (s_logp, t_logp)
+    kl = (p.exp() * (p - q)).sum(1)
     mse = (s_prompt - t.prompts(z)).pow(2).flatten(1).sum(1)
     return (w * (ce - lambda_kl * kl - lambda_mse * mse)).sum()
 
@@ -118,6 +121,7 @@ def train_generator(
     lambda_kl: float,
     lambda_mse: float,
     gen: torch.Generator,
+    kl_direction: str = "client_server",
 ) -> list[float]:
     """Minimise Σ_t w_t·CE(φ_t(z), y) − λ_KL Σ_t w_t·KL(φ_t(z) ‖ φ_s(z)) − λ_MSE Σ_t w_t·‖ρ_s(z) − ρ_t(z)‖².
 
@@ -139,7 +143,9 @@ def train_generator(
         s_logp = F.log_softmax(student_logits(z)[:, cols], dim=1)
         s_prompt = student_prompts(z)
         opt.zero_grad(set_to_none=True)
-        terms = [partial(disagreement, t, y, cols, remap, lambda_kl, lambda_mse) for t in teachers]
+        terms = [
+            partial(disagreement, t, y, cols, remap, lambda_kl, lambda_mse, kl_direction=kl_direction) for t in teachers
+        ]
         loss = backward_sum([z, s_logp, s_prompt], terms, params)
         opt.step()
         losses.append(float(loss))
