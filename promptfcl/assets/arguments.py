@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 
 def add_mini_clip_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,3 +52,16 @@ def add_hybrid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of the init, split, batches and flips (default 0)")
     p.add_argument("--cache", help="cache of teacher targets and stem outputs (default OUT/cache)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def script_main(
+    prog: str,
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """`python -m promptfcl.assets.<name>`: the builder's parser (its module docstring as help), then its `run`."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -247,12 +247,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from promptfcl.assets.arguments import add_hybrid_arguments
+    from promptfcl.assets.arguments import add_hybrid_arguments, script_main
 
-    p = argparse.ArgumentParser(prog="python -m promptfcl.assets.hybrid", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_hybrid_arguments(p)
-    return run(p.parse_args(argv))
+    return script_main("python -m promptfcl.assets.hybrid", __doc__, add_hybrid_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -343,12 +343,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from promptfcl.assets.arguments import add_mini_clip_arguments
+    from promptfcl.assets.arguments import add_mini_clip_arguments, script_main
 
-    p = argparse.ArgumentParser(prog="python -m promptfcl.assets.mini_clip", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_mini_clip_arguments(p)
-    return run(p.parse_args(argv))
+    return script_main("python -m promptfcl.assets.mini_clip", __doc__, add_mini_clip_arguments, run, argv)
 
 
 if __name__ == "__main__":
