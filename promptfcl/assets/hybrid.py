@@ -120,9 +120,7 @@ def build(recipe: HybridRecipe, out: Path, cache: Path | None = None, log: Calla
 
     t0 = time.perf_counter()
     cache = cache or out / "cache"
-    images = read_images(recipe.images)
-    if recipe.max_images is not None:
-        images.images = images.images[: recipe.max_images]
+    images = read_images(recipe.images, limit=recipe.max_images)
     n = len(images)
     log(f"images: {n} from {recipe.images} (labels unused)")
     teacher, teacher_path = load_teacher(recipe.teacher)

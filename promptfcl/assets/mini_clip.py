@@ -201,9 +201,7 @@ def build(recipe: MiniClipRecipe, out: Path, cache: Path | None = None, log: Cal
 
     t0 = time.perf_counter()
     cache = cache or out / "cache"
-    images = read_images(recipe.images)
-    if recipe.max_images is not None:
-        images.images = images.images[: recipe.max_images]
+    images = read_images(recipe.images, limit=recipe.max_images)
     log(f"images: {len(images)} from {recipe.images} (labels unused)")
     try:
         text = load_text_tower(recipe.text_model, recipe.text_sha256)

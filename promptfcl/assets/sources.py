@@ -62,8 +62,15 @@ def _hash_files(paths: list[Path]) -> dict[str, str]:
     return {str(p): file_sha256(p) for p in paths}
 
 
-def read_images(spec: str, size: int = 32, seed: int = 0) -> Images:
-    """The images named by `spec` (see the module docstring); labels are dropped."""
+def read_images(spec: str, size: int = 32, seed: int = 0, limit: int | None = None) -> Images:
+    """The images named by `spec` (see the module docstring), the first `limit` of them when given; labels dropped."""
+    images = _read_images(spec, size, seed)
+    if limit is not None:
+        images.images = images.images[:limit]
+    return images
+
+
+def _read_images(spec: str, size: int, seed: int) -> Images:
     from promptfcl.data.base import DataMissingError
 
     kind, _, arg = spec.partition(":")
