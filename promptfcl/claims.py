@@ -19,12 +19,15 @@ claims:
 The two studies must derive their seeds from the same base configs (seed k is the same scenario in both); the
 claim checks that every paired seed's `scenario.json` is identical in the two run directories.
 
-For every claim: the per-seed difference better − worse over the seeds both cells finished, its mean, the 95 %
-Student-t interval and the count of seeds favouring `better` (`statistics.paired`), beside the paper's own
-difference (`paper_delta`), and a status (defined in `STATUSES`, printed on the page). Before any verdict: every
-paired seed of the two cells must have run the identical `scenario.json` (a missing one is an error), and the
-paired runs must come from one clean commit (`environment.json`), unless `provenance_note` says why the commits
-that differ are safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
+For every claim: the per-seed difference better − worse over the seeds on which both cells finished and passed the
+validity gate, its mean, the 95 % Student-t interval and the count of seeds favouring `better`
+(`statistics.paired`), beside the paper's own difference (`paper_delta`), and a status (defined in `STATUSES`,
+printed on the page). A seed where either run failed the gate is left out, named, and put back in a sensitivity
+check: a verdict that only holds without it is inconclusive. Before any verdict: every paired seed of the two cells
+must have run the identical `scenario.json` (a missing one is an error), and the paired runs must come from one
+clean code version (`environment.json` → the commit's git trees of `promptfcl/` and `configs/`, so a commit that
+only adds a seed to a study does not split them), unless `provenance_note` says why the versions that differ are
+safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
 `*_mechanism` checks, McNemar pooled over the paired seeds, `helps`) and the worse cell beats its own head-only control
 (`controls: [{role: head_only, …}]`): otherwise the better cell would beat an inert peer. Values are read from
 the committed study summaries (`summary.json`) and run directories, never typed in.
@@ -122,11 +125,13 @@ STATUSES = {
     "reproduced, margin below the paper's": "as above, but the whole interval lies below the paper's difference",
     "reproduced": "as above; the paper gives no difference to compare with",
     "not reproduced": "the interval lies below 0: the opposite ordering holds",
-    "inconclusive": "the interval contains 0, fewer paired seeds than the verdict needs, or the ordering holds but "
+    "inconclusive": "the interval contains 0, fewer paired seeds than the verdict needs, the verdict changes when the "
+    "seeds that failed the gate are put back, or the ordering holds but "
     "a cell's mechanism is neutral or hurts in its own runs, or the worse cell does not beat its head-only control "
     "(the reason is given)",
-    "invalid": "a run of either cell failed the validity gate, the paired runs do not come from one clean commit "
-    "(without a stated reason why that is safe), or no valid evidence can be produced here (the reason is given)",
+    "invalid": "fewer paired seeds than the verdict needs pass the validity gate in both cells, the paired runs do "
+    "not come from one clean code version (without a stated reason why that is safe), or no valid evidence can be "
+    "produced here (the reason is given)",
 }
 
 
@@ -150,17 +155,39 @@ def _check_same_scenarios(claim: Claim, dirs: dict[str, Path], seeds: list[int])
             )
 
 
-def provenance(dirs: list[Path]) -> dict[str, Any]:
-    """The commits the runs in `dirs` came from (`environment.json` → git) and which had uncommitted changes."""
+CODE_PATHS = ("promptfcl", "configs")  # what a run's numbers depend on; docs, tests and study lists do not count
+
+
+def _code_identity(commit: str, repo: Path) -> str:
+    """The git tree hashes of `CODE_PATHS` at `commit` (commits whose package and configs are byte-identical share
+    it); the commit itself when git cannot tell (no repository, unknown commit)."""
+    import subprocess
+
+    specs = [f"{commit}:{path}" for path in CODE_PATHS]
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", *specs], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return commit
+    return "+".join(line[:10] for line in out.stdout.split())
+
+
+def provenance(dirs: list[Path], repo: Path | None = None) -> dict[str, Any]:
+    """The commits the runs in `dirs` came from (`environment.json` → git), which had uncommitted changes, and the
+    code they ran: runs from different commits with byte-identical `CODE_PATHS` (e.g. a commit that only adds a
+    seed to a study) ran the same code and count as one provenance."""
     commits: dict[str, list[str]] = {}
+    full: dict[str, str] = {}
     dirty: list[str] = []
     for d in dirs:
         env = json.loads((d / "environment.json").read_text()) if (d / "environment.json").is_file() else {}
         git = env.get("git") or {}
-        commits.setdefault(str(git.get("commit") or "unknown")[:10], []).append(f"{d.parent.name}/{d.name}")
+        commit = str(git.get("commit") or "unknown")
+        commits.setdefault(commit[:10], []).append(f"{d.parent.name}/{d.name}")
+        full[commit[:10]] = commit
         if git.get("dirty") or not git.get("commit"):
             dirty.append(f"{d.parent.name}/{d.name}")
-    return {"commits": commits, "dirty": dirty, "clean": len(commits) == 1 and not dirty}
+    codes = {c: (_code_identity(full[c], repo) if repo is not None and c != "unknown" else c) for c in commits}
+    return {"commits": commits, "code": codes, "dirty": dirty, "clean": len(set(codes.values())) == 1 and not dirty}
 
 
 def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
@@ -232,14 +259,31 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     seeds = sorted(set(values[claim.better]) & set(values[claim.worse]))
     _check_same_scenarios(claim, {c: d / c for c, d in studies.items()}, seeds)
     sign = -1.0 if claim.lower_is_better else 1.0
-    a = {s: sign * v for s, v in values[claim.better].items()}
-    b = {s: sign * v for s, v in values[claim.worse].items()}
-    failed = {c: {s: f for s, f in (rows[c].get("invalid") or {}).items()} for c in rows}
-    dirs = {c: [_run_dir(studies[c], c, s) for s in seeds] for c in studies}
-    out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None, "values": values}
-    out["provenance"] = provenance([d for ds in dirs.values() for d in ds])
+    failed = {c: {int(s): f for s, f in (rows[c].get("invalid") or {}).items()} for c in rows}
+    excluded = sorted({s for f in failed.values() for s in f} & set(seeds))
+    valid = [s for s in seeds if s not in excluded]  # a comparison counts only where both runs pass the gate
+    a = {s: sign * values[claim.better][s] for s in valid}
+    b = {s: sign * values[claim.worse][s] for s in valid}
+    dirs = {c: [_run_dir(studies[c], c, s) for s in valid] for c in studies}
+    out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None, "values": values,
+                           "excluded": excluded, "all_seeds": None}  # fmt: skip
+    out["provenance"] = provenance([d for ds in dirs.values() for d in ds], base)
     out["mechanisms"] = {c: mechanism_verdicts(ds) for c, ds in dirs.items()}
     out["controls"] = _controls(claim, base, values[claim.better], studies[claim.better] / claim.better)
+    gate = "; ".join(
+        f"{c} seed {s} failed {', '.join(f)}" for c, seeds_failed in failed.items() for s, f in seeds_failed.items()
+    )
+    if excluded:
+        with contextlib.suppress(ValueError):  # the sensitivity check: the failed seeds put back in
+            out["all_seeds"] = paired_difference(
+                {s: sign * values[claim.better][s] for s in seeds}, {s: sign * values[claim.worse][s] for s in seeds}
+            )
+    if len(valid) < min_seeds and excluded:
+        out.update(status="invalid", reason=f"{len(valid)} paired seeds pass the validity gate (needs {min_seeds}): "
+                                            f"{gate}")  # fmt: skip
+        with contextlib.suppress(ValueError):
+            out["difference"] = paired_difference(a, b)
+        return out
     try:
         diff = paired_difference(a, b)
     except ValueError as e:
@@ -247,15 +291,10 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
         return out
     out["difference"] = diff
     prov = out["provenance"]
-    if any(failed.values()):
+    if not prov["clean"] and not claim.provenance_note:
         out["status"] = "invalid"
-        out["reason"] = "; ".join(
-            f"{c} seed {s} failed {', '.join(f)}" for c, seeds_failed in failed.items() for s, f in seeds_failed.items()
-        )
-    elif not prov["clean"] and not claim.provenance_note:
-        out["status"] = "invalid"
-        parts = [f"{len(prov['commits'])} commit(s)"] + ([f"{len(prov['dirty'])} run(s) with uncommitted changes"]
-                                                         if prov["dirty"] else [])  # fmt: skip
+        parts = [f"{len(set(prov['code'].values()))} code version(s) over {len(prov['commits'])} commit(s)"] + (
+            [f"{len(prov['dirty'])} run(s) with uncommitted changes"] if prov["dirty"] else [])  # fmt: skip
         out["reason"] = "the paired runs come from " + " and ".join(parts) + " (re-run them from one clean commit)"
     elif diff.n < min_seeds:
         out["status"] = "inconclusive"
@@ -266,6 +305,11 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
         out["status"] = "inconclusive"
     else:
         out["status"], out["reason"] = _reproduced(claim, diff, out)
+    whole = out["all_seeds"]
+    if whole is not None and out["status"] != "inconclusive" and not (whole.low > 0 or whole.high < 0):
+        out["status"] = "inconclusive"  # the verdict rests on leaving the failed seeds out
+        out["reason"] = (f"the verdict holds only without the seeds that failed the gate ({gate}); with them the "
+                         f"difference is {_fmt_diff(whole)}")  # fmt: skip
     return out
 
 
@@ -348,7 +392,8 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         "edit by hand. Difference = the advantage of the paper's better cell over the cell it beats (better − "
         "worse; worse − better where lower is better), per seed, its mean and 95 % Student-t interval, beside the "
         f"paper's own difference (paper Δ). A verdict needs ≥ {claims.min_seeds} paired seeds that ran the same "
-        "scenario, from one clean commit, every run of both cells passing the validity gate.",
+        "scenario from one clean code version and on which both cells pass the validity gate; a seed where either "
+        "run fails the gate is left out of the verdict, named, and put back in a sensitivity check.",
         "",
         "Statuses:",
         "",
@@ -373,11 +418,16 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         if d is not None:
             per = ", ".join(f"seed {s}: {x:+.2f}" for s, x in zip(d.seeds, d.differences, strict=True))
             lines.append(f"Per-seed advantage ({c['metric']}): {per}.")
+        if r.get("all_seeds") is not None:
+            lines.append(f"With the seeds that failed the gate put back ({', '.join(map(str, r['excluded']))}): "
+                         f"{_fmt_diff(r['all_seeds'])}, {r['all_seeds'].positive}/{r['all_seeds'].n} seeds favouring "
+                         f"`{c['better']}`.")  # fmt: skip
         if r.get("reason"):
             lines.append(f"{r['status'].capitalize()} because: {r['reason'].rstrip('.')}.")
         prov = r.get("provenance")
         if prov:
-            commits = "; ".join(f"`{k}`: {len(v)} run(s)" for k, v in prov["commits"].items())
+            code = prov.get("code") or {}
+            commits = "; ".join(f"`{k}` (code `{code.get(k, k)}`): {len(v)} run(s)" for k, v in prov["commits"].items())
             dirty = f"; with uncommitted changes: {', '.join(prov['dirty'])}" if prov["dirty"] else ""
             lines.append(f"Provenance: {commits}{dirty}.")
             if c.get("provenance_note"):

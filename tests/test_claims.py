@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -64,7 +65,9 @@ def _summary(tmp_path, a: list[float], b: list[float], invalid: dict | None = No
         ([1, 2, 2, 1, 3], [5, 6, 7, 6, 5], None, {}, "not reproduced"),
         ([5, 1, 6, 2, 4], [3, 4, 3, 4, 3], None, {}, "inconclusive"),
         ([5, 6, 7], [1, 2, 2], None, {}, "inconclusive"),  # 3 seeds < min_seeds 5
-        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": ["client_loss"]}, {}, "invalid"),
+        ([5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": ["client_loss"]}, {}, "invalid"),  # 4 valid seeds < 5
+        ([5, 6, 7, 6, 5, 6], [1, 2, 2, 1, 3, 2], {"2": ["client_loss"]}, {}, "reproduced"),  # 5 valid seeds
+        ([5, 6, 7, 6, 5, 6], [1, 2, 30, 1, 3, 2], {"2": ["client_loss"]}, {}, "inconclusive"),  # holds only without 2
     ],
 )
 def test_claim_status(tmp_path, a, b, invalid, claim, status) -> None:
@@ -76,6 +79,10 @@ def test_claim_status(tmp_path, a, b, invalid, claim, status) -> None:
     assert f"**{status}**" in text and "`new` vs `old`" in text
     if invalid:
         assert "seed 2 failed the validity gate: client_loss" in text
+        if len(a) > 5:  # verdict on the 5 seeds both cells pass, seed 2 named and put back as a sensitivity check
+            assert result["difference"].seeds == [0, 1, 3, 4, 5] and "failed the gate put back (2)" in text
+        if status == "inconclusive":
+            assert "holds only without the seeds that failed the gate" in result["reason"]
     for name in ("reproduced, margin within the paper's", "not reproduced", "inconclusive", "invalid"):
         assert f"- **{name}**: " in text  # the page defines its statuses
 
@@ -85,9 +92,50 @@ def test_paired_runs_must_come_from_one_clean_commit(tmp_path) -> None:
     run_dirs(tmp_path / "study", "old", [3], commit="def456", dirty=True)
     claims, base = load_claims(tmp_path / "claims.yaml")
     result = evaluate_claim(claims.claims[0], base)
-    assert result["status"] == "invalid" and "2 commit(s) and 1 run(s) with uncommitted changes" in result["reason"]
+    assert result["status"] == "invalid"
+    assert "2 code version(s) over 2 commit(s) and 1 run(s) with uncommitted changes" in result["reason"]
     claims.claims[0].provenance_note = "seed 3 of old changed only the docs"
     assert evaluate_claim(claims.claims[0], base)["status"] == "reproduced"
+
+
+def test_commits_with_identical_code_are_one_provenance(tmp_path) -> None:
+    """Two commits that differ only outside the code (a study's seed list) count as one code version; a commit that
+    changes `promptfcl/` does not."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        who = {
+            f"GIT_{role}_{key}": value
+            for role in ("AUTHOR", "COMMITTER")
+            for key, value in (("NAME", "t"), ("EMAIL", "t@t"))
+        }
+        run = subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True,
+                             env={**os.environ, **who})  # fmt: skip
+        return run.stdout.strip()
+
+    git("init", "-q")
+    for path, text in (("promptfcl/m.py", "x = 1\n"), ("configs/c.yaml", "a: 1\n"), ("study.yaml", "seeds: [0]\n")):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD")
+    (tmp_path / "study.yaml").write_text("seeds: [0, 1]\n")
+    git("commit", "-qam", "a seed more")
+    same_code = git("rev-parse", "HEAD")
+    (tmp_path / "promptfcl/m.py").write_text("x = 2\n")
+    git("commit", "-qam", "code change")
+    other_code = git("rev-parse", "HEAD")
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
+    run_dirs(tmp_path / "study", "new", range(5), commit=first)
+    run_dirs(tmp_path / "study", "old", range(5), commit=first)
+    run_dirs(tmp_path / "study", "old", [4], commit=same_code)
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "reproduced" and len(result["provenance"]["commits"]) == 2
+    run_dirs(tmp_path / "study", "old", [4], commit=other_code)
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "invalid" and "2 code version(s) over 2 commit(s)" in result["reason"]
 
 
 def test_a_claim_is_not_reproduced_on_an_idle_mechanism_or_an_inert_peer(tmp_path) -> None:
