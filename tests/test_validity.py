@@ -92,6 +92,12 @@ def test_client_loss_is_held_to_the_label_prior_not_to_ln_k() -> None:
     assert not check_client_loss(rounds).passed
     single = [{"task": 0, "round": 0, "last_loss": 0.0, "chance_loss": math.log(10), "prior_loss": 0.0}]
     assert check_client_loss(single) is None  # every client holds one class: nothing to learn locally
+    for order in (0, 1):  # a diverged task fails wherever it sits in the log (max() alone ignores a trailing NaN)
+        diverged = [dict(rounds[0]), {"task": 1, "round": 0, "last_loss": math.nan, "prior_loss": prior}]
+        diverged[0]["last_loss"] = 0.1 * prior
+        assert not check_client_loss(diverged[:: 1 - 2 * order]).passed
+    no_loss = [*rounds[:2], {"task": 0, "round": 2, "prior_loss": prior}]  # a server-only round logs no loss
+    assert check_client_loss(no_loss).value == pytest.approx(0.4)  # the task's last round *with* a loss decides
 
 
 def test_learned_tasks_needs_significance_and_twice_chance() -> None:
@@ -100,6 +106,10 @@ def test_learned_tasks_needs_significance_and_twice_chance() -> None:
     low = LearnedTask(1, 17.5, 200, 10.0)  # binomial p ≈ 6e-4 < 1e-3, yet four predictions in five are wrong
     assert binomial_tail(35, 200, 0.1) < 1e-3
     assert not check_learned_tasks([LearnedTask(0, 30.0, 200, 10.0), low]).passed
+    binary = LearnedTask(0, 90.0, 200, 50.0)  # two classes: 2 × chance would ask for 100 %; the cap asks for 75 %
+    assert check_learned_tasks([binary]).passed
+    assert not check_learned_tasks([LearnedTask(0, 70.0, 200, 50.0)]).passed
+    assert check_learned_tasks([LearnedTask(0, 100.0, 200, 100.0)]) is None  # one class: nothing to tell apart
 
 
 def test_parameters_moved_sums_relative_moves_per_group() -> None:
@@ -114,6 +124,9 @@ def test_parameters_moved_sums_relative_moves_per_group() -> None:
     assert not check.passed and "head 0" in check.detail  # a head left at its init is inert
     rounds[1]["move/head"] = 0.01
     assert check_parameters_moved(rounds).passed
+    rounds.append({"move/prompt": math.nan, "move/head": 0.01})  # the prompt diverged: it fails, it is not dropped
+    check = check_parameters_moved(rounds)
+    assert not check.passed and "prompt nan" in check.detail
 
 
 def test_mcnemar_classifies_a_component_as_helps_neutral_or_hurts() -> None:

@@ -170,7 +170,7 @@ class FedCPromptClient(SupervisedClient):
 
     def train(self, model: nn.Module, ctx: ClientContext, message: Message) -> dict[str, float]:
         """Local training; `last_loss` is the final epoch's CE (the validity gate's learning signal, compared with
-        ln K), `c2l_loss` the mean C2L term, `loss` the mean of the whole objective."""
+        the label-prior loss), `c2l_loss` the mean C2L term, `loss` the mean of the whole objective."""
         self._terms, self._reach = [], []
         stats = super().train(model, ctx, message)
         steps = math.ceil(len(ctx.train_data) / self.params.batch_size)

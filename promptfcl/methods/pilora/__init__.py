@@ -174,8 +174,8 @@ class PILoRAClient(SupervisedClient):
         steps = max(getattr(self, "parts", {}).get("steps", 0), 1)
         if len(ctx.train_data):
             scalars.update(dce=self.parts["dce"] / steps, ort=self.parts["ort"] / steps)
-            # the validity gate compares `last_loss` with ln K: that is the final epoch's cross-entropy (DCE); the
-            # total adds the prototype distance, orthogonality and L1 terms, which have no ln K scale
+            # the validity gate compares `last_loss` with the label-prior loss: that is the final epoch's cross-entropy
+            # (DCE); the total adds the prototype distance, orthogonality and L1 terms, which have no such scale
             last = self.parts["dce_steps"][-max(steps // self.params.local_epochs, 1) :]
             scalars["last_loss"] = sum(last) / len(last)
         return Message(out, scalars, kind="train_reply")
