@@ -321,3 +321,26 @@ def test_weight_decay_default_leaves_the_old_tasks_head_rows_alone(runtime: Runt
         reply = client.handle(Message(dict(state), {"factor": "B", "task": 1, "round": 0}, kind="train"), ctx)
         moved[wd] = float((reply.tensors["head.weight"][old] - state["head.weight"][old]).abs().max())
     assert moved[0.0] == 0.0 and moved[0.1] > 0
+
+
+def test_lr_a_and_lr_b_give_the_rounds_factor_its_own_lr(runtime: Runtime) -> None:
+    """`lr_b` / `lr_a` (the code's `--lr_B` / `--lr_A`) set the trained factor's lr and leave the head at `lr`:
+    at lr_b 0 a B round leaves B where it was while the head trains; unset, B trains at `lr`."""
+    server, _ = runtime.programs()
+    server.begin_stage(0)
+    state = server.model.get_state()
+    data = LabeledSubset.of(runtime.dataset.train, runtime.scenario.client_indices(0, 0)[:16],
+                            runtime.scenario.label_space.class_to_logit)  # fmt: skip
+    moved = {}
+    for key, lrs in (("default", {}), ("lr_b 0", {"lr_b": 0.0}), ("lr_a 0", {"lr_a": 0.0})):
+        client = lorm_client(runtime, local_epochs=1, **lrs)
+        ctx = ClientContext(0, 0, 0, Record(), data, 0, torch.device("cpu"), 0)
+        reply = client.handle(Message(dict(state), {"factor": "B", "task": 0, "round": 0}, kind="train"), ctx)
+        b = [k for k in reply.tensors if k.startswith("prompt.b.")]
+        moved[key] = (
+            max(float((reply.tensors[k] - state[k]).abs().max()) for k in b),
+            float((reply.tensors["head.weight"] - state["head.weight"]).abs().max()),
+        )
+    assert moved["default"][0] > 0 and moved["default"][1] > 0
+    assert moved["lr_b 0"][0] == 0.0 and moved["lr_b 0"][1] > 0  # the factor frozen by its lr, the head trained
+    assert moved["lr_a 0"] == moved["default"]  # lr_a acts only in A rounds

@@ -133,9 +133,8 @@ class SupervisedClient(ClientProgram):
         p = self.params
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
-        opt = None
+        opt = make_optimizer(p, self.param_groups(model, message))
         if p.optimizer_reset == "never":
-            opt = make_optimizer(p, [q for q in model.parameters() if q.requires_grad])
             restore_optimizer(opt, ctx.state.tensors)
         stats = train_local(
             model,
@@ -148,9 +147,14 @@ class SupervisedClient(ClientProgram):
             self.loss_fn(message, ctx) if loss is None else loss,
             opt,
         )
-        if opt is not None:
+        if p.optimizer_reset == "never":
             ctx.state.tensors.update(optimizer_tensors(opt))
         return stats
+
+    def param_groups(self, model: torch.nn.Module, message: Message) -> list[torch.nn.Parameter] | list[dict]:
+        """What the local optimizer updates: every parameter that requires grad, at `lr` (a method returns torch
+        param groups to give a group its own `lr`)."""
+        return [q for q in model.parameters() if q.requires_grad]
 
     def reply(self, model: torch.nn.Module, ctx: ClientContext, stats: dict[str, float]) -> Message:
         """The upload: trained parameters, sample count and loss (methods add statistics here)."""

@@ -43,6 +43,8 @@ Switches (→ default, and why):
   both sources have it; with γ_head > 0 the summed head Gram is positive definite whenever every feature
   dimension varies, and the two agree to float64 rounding. A singular sum stops the run with a message naming
   `pinv` (the code would fail there too). The factor and task merges use a pseudo-inverse in the code and here.
+- `lr_a`, `lr_b`: the factor's own lr in its rounds, the head keeping `lr` (the code's `--lr_A`, `--lr_B`, set
+  by its CUB-200, Cars-196 and ImageNet-A commands) → null (both factors at `lr`, as the CIFAR-100 commands).
 - `weight_decay`: 0.0 (every command of the code's README, `--wd_reg=0`, the settings behind the paper's tables)
   | 0.1 (the code's argparse default `wd_reg`, used by no released command; AdamW then decays the whole head, so
   older tasks' rows shrink a little every step) → 0.0: the paper does not state it (nor does [H]), and the
@@ -94,6 +96,8 @@ class LoRMParams(LocalTrainingParams):
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW weight decay: 0 in every released command (--wd_reg=0); the code's default 0.1"
     )
+    lr_a: float | None = Field(None, ge=0, description="lr of the A factor in its rounds (the code's --lr_A; null: lr)")
+    lr_b: float | None = Field(None, ge=0, description="lr of the B factor in its rounds (the code's --lr_B; null: lr)")
     grad_clip: float | None = Field(None, gt=0)
     rank: int = Field(16, ge=1, description="LoRA rank r of every adapted projection")
     layers: list[int] | None = Field(None, description="blocks to adapt (null: all)")
@@ -168,6 +172,14 @@ class LoRMClient(SupervisedClient):
         out = {k: state[k] for k in factor_names(model, factor) + ["head.weight", "head.bias"]}
         out.update(self.grams(model, message, ctx))
         return Message(out, {"num_samples": len(ctx.train_data), **loss_scalars(stats)}, kind="train_reply")
+
+    def param_groups(self, model: torch.nn.Module, message: Message) -> list[torch.nn.Parameter] | list[dict]:
+        """The round's factor at `lr_a` / `lr_b` when set, the head at `lr` (the code's two param groups)."""
+        p = self.params
+        lr = p.lr_b if str(message.scalars["factor"]) == "B" else p.lr_a
+        factor = [q for q in model.prompt.parameters() if q.requires_grad]
+        rest = [q for n, q in model.named_parameters() if q.requires_grad and not n.startswith("prompt.")]
+        return factor + rest if lr is None else [{"params": factor, "lr": lr}, {"params": rest}]
 
     def grams(self, model: PromptedClassifier, message: Message, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The regularised Gram of every adapted projection's inputs (diagonal when γ = 0) and of the head's."""
