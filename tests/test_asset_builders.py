@@ -41,8 +41,10 @@ def test_hybrid_builder_writes_a_strictly_loadable_backbone_with_its_recipe(tmp_
             "--depth", "1", "--steps", "3", "--batch", "4", "--val-images", "3", "--warmup", "1",
             "--seed", "2"]  # fmt: skip
     assert main(args) == 0
-    path = out / HYBRID_WEIGHTS
+    assert not (out / HYBRID_WEIGHTS).exists()  # a 1-block build must not take the default backbone's name
+    path = out / "vit_tiny_hybrid_lite0_112_depth1_distilled.safetensors"
     meta = metadata(path)
+    assert "depth=1" in meta["load"]
     recipe, inputs, result = (json.loads(meta[k]) for k in ("recipe", "inputs", "result"))
     assert meta["format"] == "promptfcl-hybrid-vit/1"
     assert (recipe["steps"], recipe["batch"], recipe["seed"], recipe["images"]) == (3, 4, 2, "synthetic:12")

@@ -86,6 +86,9 @@ def test_text_features_are_mean_pooled_bert_and_deep_prompts_act(clip) -> None:
     assert not torch.allclose(t, ours)
     t.sum().backward()
     assert deep.grad is not None and deep.grad.abs().sum() > 0
+    for bad in (0, clip.text_layers):  # layer 0's prompts are the input context; past the last layer: nothing
+        with pytest.raises(ValueError, match="layers 1..1"):
+            clip.encode_text(clip.token_embeddings(tokens), tokens, {bad: (1, deep)})
 
 
 # --------------------------------------------------------------------------------------- image tower
@@ -108,6 +111,9 @@ def test_image_features_are_the_projected_vit_feature_and_vision_prompts_act(cli
     assert p0.grad is not None and p1.grad is not None and p1.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="layer-0"):
         clip.encode_image(x, {1: p1})
+    for bad in ({0: p0, 2: p1}, {0: p0, 1: torch.randn(3, clip.vision_width)}):  # past the last block; 3 ≠ 2 tokens
+        with pytest.raises(ValueError, match="deep vision prompts: layers 0..1"):
+            clip.encode_image(x, bad)
 
 
 def test_projection_fitted_on_another_text_tower_is_refused(tmp_path, parts) -> None:
@@ -118,6 +124,14 @@ def test_projection_fitted_on_another_text_tower_is_refused(tmp_path, parts) -> 
     cfg = BackboneConfig(**mini_clip_backbone(other, sha, parts["projection"]))
     with pytest.raises(BackboneError, match="fitted on the text tower"):
         build_clip(cfg)
+    tower = tmp_path / "tower.safetensors"  # a projection fitted on a random tower, given a weights file
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tower))
+    pretrained = BackboneConfig(**{**mini_clip_backbone(parts["text"], parts["sha"], parts["projection"]),
+                                   "weights": str(tower)})  # fmt: skip
+    with pytest.raises(BackboneError, match="fitted on a random-init image tower"):
+        build_clip(pretrained)
     missing = BackboneConfig(**mini_clip_backbone(parts["text"], parts["sha"], tmp_path / "absent.safetensors"))
     with pytest.raises(BackboneError, match="promptfcl build-asset mini-clip"):
         build_clip(missing)

@@ -211,14 +211,17 @@ def build(recipe: HybridRecipe, out: Path, cache: Path | None = None, log: Calla
         "recipe": json.dumps(asdict(recipe), sort_keys=True),
         "inputs": json.dumps(inputs, sort_keys=True),
         "result": json.dumps(result, sort_keys=True),
-        "load": "timm.create_model('vit_tiny_hybrid_lite0', img_size=112, num_classes=0) (promptfcl registers it); "
-        "load_state_dict(strict=True)",
+        "load": f"timm.create_model('vit_tiny_hybrid_lite0', img_size={recipe.img_size}, depth={recipe.depth}, "
+        "num_classes=0) (promptfcl registers it); load_state_dict(strict=True)",
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
     state = {k: v.detach().contiguous() for k, v in student.state_dict().items() if not k.startswith("head.")}
     out.mkdir(parents=True, exist_ok=True)
-    path = out / HYBRID_WEIGHTS
+    default = HybridRecipe()
+    shape = (recipe.img_size, recipe.depth)
+    name = f"vit_tiny_hybrid_lite0_{recipe.img_size}_depth{recipe.depth}_distilled.safetensors"
+    path = out / (HYBRID_WEIGHTS if shape == (default.img_size, default.depth) else name)
     tmp = path.with_suffix(".tmp")
     save_file(state, str(tmp), metadata=meta)
     tmp.replace(path)

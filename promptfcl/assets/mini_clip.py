@@ -58,6 +58,7 @@ from promptfcl.assets.sources import (
     read_images,
     teacher_transform,
 )
+from promptfcl.backbones.hybrid import HYBRID_WEIGHTS
 from promptfcl.backbones.mini_clip import PROJECTION_FORMAT, TextTower, load_text_tower
 from promptfcl.backbones.vit import BackboneError, FrozenViT
 from promptfcl.config import BackboneConfig
@@ -65,7 +66,6 @@ from promptfcl.data.transforms import ImageTransform
 
 OUT_FILE = "mini_clip_projection.safetensors"
 TEMPLATE = "a photo of a {}."
-HYBRID_WEIGHTS = "vit_tiny_hybrid_lite0_112_distilled.safetensors"
 
 
 def default_assets(*parts: str) -> str:

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from promptfcl.backbones.mini_clip import file_sha256
-from promptfcl.backbones.vit import BackboneError
 from promptfcl.config import ConfigError
 from promptfcl.data.transforms import ImageTransform
 
@@ -64,13 +63,13 @@ def _hash_files(paths: list[Path]) -> dict[str, str]:
 
 def read_images(spec: str, size: int = 32, seed: int = 0, limit: int | None = None) -> Images:
     """The images named by `spec` (see the module docstring), the first `limit` of them when given; labels dropped."""
-    images = _read_images(spec, size, seed)
+    images = _read_images(spec, size, seed, limit)
     if limit is not None:
         images.images = images.images[:limit]
     return images
 
 
-def _read_images(spec: str, size: int, seed: int) -> Images:
+def _read_images(spec: str, size: int, seed: int, limit: int | None) -> Images:
     from promptfcl.data.base import DataMissingError
 
     kind, _, arg = spec.partition(":")
@@ -95,7 +94,7 @@ def _read_images(spec: str, size: int, seed: int) -> Images:
         from promptfcl.data.decode import decode_image
 
         root = Path(arg).expanduser()
-        paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        paths = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)[:limit]
         if not paths:
             raise AssetError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) under {root}")
         try:
@@ -241,7 +240,3 @@ def teacher_transform() -> ImageTransform:
 
 def describe_file(path: Path) -> dict[str, Any]:
     return {"path": str(path), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
-
-
-def backbone_error(e: BackboneError) -> AssetError:
-    return AssetError(str(e))

@@ -231,6 +231,10 @@ class TextTower(nn.Module):
         h = e.LayerNorm(embeds[:, :length] + pos + kind)
         attend = mask[:, None, None, :]  # (N, 1, 1, L): every query attends to the real tokens only
         deep = deep or {}
+        layers = len(self.bert.encoder.layer)
+        if any(not 0 < i < layers for i in deep):
+            raise ValueError(f"deep text prompts go in layers 1..{layers - 1} (layer 0's are the input context "
+                             f"vectors), got layers {sorted(deep)}")  # fmt: skip
         for i, layer in enumerate(self.bert.encoder.layer):
             if i and i in deep:
                 start, p = deep[i]
@@ -270,7 +274,8 @@ def load_text_tower(
             f"{folder} is not a complete BERT model folder ({e}); it needs config.json and the tokenizer files "
             f"(vocab.txt or tokenizer.json) beside model.safetensors — reinstall {MINILM_PACKAGE}"
         ) from None
-    bert = transformers.BertModel(config, add_pooling_layer=True)
+    with torch.random.fork_rng(devices=[]):  # its random init is overwritten: it must not move the run's RNG
+        bert = transformers.BertModel(config, add_pooling_layer=True)
     state = load_file(str(folder / "model.safetensors"))
     missing, _ = bert.load_state_dict(state, strict=False)  # `embeddings.position_ids` is a buffer in old files
     if missing:
@@ -395,9 +400,13 @@ class MiniCLIP(ClipTowers):
         if 0 not in prompts:
             raise ValueError("deep vision prompts need the layer-0 prompt (the tokens that later layers replace)")
         vit = self.image.vit
+        n = prompts[0].shape[0]
+        if any(not 0 <= i < len(vit.blocks) for i in prompts) or any(p.shape[0] != n for p in prompts.values()):
+            shapes = {i: tuple(p.shape) for i, p in sorted(prompts.items())}
+            raise ValueError(f"deep vision prompts: layers 0..{len(vit.blocks) - 1}, each with layer 0's {n} tokens "
+                             f"(they replace them); got {shapes}")  # fmt: skip
         with autocast(x.device.type, self.precision):
             h = vit.patch_drop(vit._pos_embed(self.image.patch_tokens(x)))
-            n = prompts[0].shape[0]
             h = torch.cat([h, prompts[0].to(h.dtype).unsqueeze(0).expand(h.shape[0], -1, -1)], dim=1)
             h = vit.norm_pre(h)
             for i, blk in enumerate(vit.blocks):
@@ -467,14 +476,17 @@ def build_mini_clip(cfg: BackboneConfig) -> MiniCLIP:
             f"the projection {path} was fitted on the text tower with sha256 {text_hash}, but the text tower has "
             f"{text.sha256}; rebuild the projection for it (`promptfcl build-asset mini-clip`)"
         )
-    image = build_image_tower(cfg, options)
-    image_hash = towers.get("image_weights", {}).get("sha256")
-    if image_hash and cfg.weights and file_sha256(Path(cfg.weights)) != image_hash:
+    image_hash = (towers.get("image_weights") or {}).get("sha256")
+    weights_hash = file_sha256(Path(cfg.weights)) if cfg.weights else None
+    if image_hash != weights_hash:  # a pretrained tower's projection on a random tower, or the other way round
+        fitted = f"the image tower with sha256 {image_hash}" if image_hash else "a random-init image tower"
+        given = f"backbone.weights {cfg.weights} (sha256 {weights_hash})" if cfg.weights else "no backbone.weights"
         raise BackboneError(
-            f"the projection {path} was fitted on the image tower with sha256 {image_hash}, but backbone.weights "
-            f"{cfg.weights} is another file; rebuild the projection for it (`promptfcl build-asset mini-clip "
-            f"--image-weights {cfg.weights}`) or use the weights it was fitted on"
+            f"the projection {path} was fitted on {fitted}, but the config gives {given}; rebuild the projection for "
+            f"this image tower (`promptfcl build-asset mini-clip --image-weights {cfg.weights or 'none'}`) or set "
+            "backbone.weights to the file it was fitted on"
         )
+    image = build_image_tower(cfg, options)
     w = state["projection.weight"]
     proj = nn.Linear(w.shape[1], w.shape[0], bias="projection.bias" in state)
     proj.load_state_dict({k.removeprefix("projection."): v for k, v in state.items() if k.startswith("projection.")})
