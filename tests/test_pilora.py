@@ -212,3 +212,23 @@ def test_reply_last_loss_is_the_final_epochs_dce_not_the_total(tmp_path, pl_weig
             assert r.scalars["last_loss"] == pytest.approx(r.scalars["loss"], rel=1e-6)
         else:
             assert r.scalars["last_loss"] < r.scalars["loss"] - 0.01
+
+
+def test_train_logits_all_lets_future_prototypes_compete(runtime: Runtime) -> None:
+    """`train_logits: all` (fed-mammoth's pilora3): on task 0 the DCE runs over every task's prototypes, the future
+    tasks' random ones too; `seen` (default) over task 0's only. Both equal a CE written out over those rows."""
+    server, client = runtime.programs()
+    model, space = server.model, runtime.env.label_space
+    model.set_task(0)
+    x = runtime.env.eval_transform(runtime.dataset.train.images[:4])
+    y = torch.tensor(space.tasks[0].logits[:2] * 2)
+    client.params = client.params.model_copy(update={"pl_weight": 0.0, "ort_weight": 0.0, "l1_weight": 0.0})
+    with torch.no_grad():
+        logits = -model.distances(model.features(x)) / model.temperature
+    for which, rows in (("seen", list(space.tasks[0].logits)), ("all", list(range(space.num_logits)))):
+        mask = space.train_mask(0, which)
+        assert mask.nonzero().flatten().tolist() == rows
+        with torch.no_grad():
+            got = float(client.loss_fn(None, None)(model, x, y, mask))
+        want = float(torch.nn.functional.cross_entropy(logits[:, rows], torch.tensor([rows.index(int(c)) for c in y])))
+        assert got == pytest.approx(want, rel=1e-5), which

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-TrainLogits = Literal["current_task", "seen"]
+TrainLogits = Literal["current_task", "seen", "all"]  # the task's logits, every seen task's, or every logit
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,8 @@ class LabelSpace:
         """Logits that compete in local training on `task`."""
         if which == "current_task":
             return self.mask(self.tasks[task].logits)
+        if which == "all":  # future tasks' logits compete too
+            return torch.ones(self.num_logits, dtype=torch.bool)
         return self.seen_mask(task)
 
     def eval_mask(self, evaluated_task: int, after_task: int, regime: str = "task_agnostic") -> torch.Tensor:

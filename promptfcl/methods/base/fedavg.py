@@ -133,7 +133,7 @@ class SupervisedClient(ClientProgram):
         p = self.params
         if len(ctx.train_data) == 0:
             return {"loss": 0.0}
-        opt = make_optimizer(p, self.param_groups(model, message))
+        opt = make_optimizer(p, self.param_groups(model, ctx, message))
         if p.optimizer_reset == "never":
             restore_optimizer(opt, ctx.state.tensors)
         stats = train_local(
@@ -151,7 +151,9 @@ class SupervisedClient(ClientProgram):
             ctx.state.tensors.update(optimizer_tensors(opt))
         return stats
 
-    def param_groups(self, model: torch.nn.Module, message: Message) -> list[torch.nn.Parameter] | list[dict]:
+    def param_groups(
+        self, model: torch.nn.Module, ctx: ClientContext, message: Message
+    ) -> list[torch.nn.Parameter] | list[dict]:
         """What the local optimizer updates: every parameter that requires grad, at `lr` (a method returns torch
         param groups to give a group its own `lr`)."""
         return [q for q in model.parameters() if q.requires_grad]

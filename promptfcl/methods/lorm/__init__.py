@@ -173,7 +173,9 @@ class LoRMClient(SupervisedClient):
         out.update(self.grams(model, message, ctx))
         return Message(out, {"num_samples": len(ctx.train_data), **loss_scalars(stats)}, kind="train_reply")
 
-    def param_groups(self, model: torch.nn.Module, message: Message) -> list[torch.nn.Parameter] | list[dict]:
+    def param_groups(
+        self, model: torch.nn.Module, ctx: ClientContext, message: Message
+    ) -> list[torch.nn.Parameter] | list[dict]:
         """The round's factor at `lr_a` / `lr_b` when set, the head at `lr` (the code's two param groups)."""
         p = self.params
         lr = p.lr_b if str(message.scalars["factor"]) == "B" else p.lr_a

@@ -33,6 +33,10 @@ Switches (→ default, and why):
 - `round_lr_schedule`: "cosine" over the task's rounds [C] | "constant" [M].
 - `distance`: "root", d_c = √(‖f − m_c‖²/D) (fed-mammoth's `pilora3`, the code behind HGP's Table 1 row) |
   "squared", ‖f − m_c‖²/D (the authors' `CPN.py` `compute_distance`) → root, the code our claims compare against.
+- `train_logits`: "seen" (the seen tasks' prototypes compete in l_dce, as evaluation reads them) | "all"
+  (fed-mammoth's `pilora3`: every task's prototypes, the future tasks' random ones included, `_models/pilora.py`
+  `protos` over `range(self.num_tasks)`) → seen [I]: a future class's random prototype is nothing the model can
+  learn or be tested on yet.
 Deviations: class means are computed after local training in one eval-transform pass with the trained model
 ([C] averages the training batches' features over all epochs, [M] uses the frozen backbone without LoRA);
 [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the scenario fixes
@@ -62,10 +66,9 @@ from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.methods.pilora.signals import check_reweighting
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
-from promptfcl.seeding import torch_generator
 from promptfcl.statistics import class_statistics, uploaded_statistics
 from promptfcl.statistics.class_stats import statistics_schema
-from promptfcl.training.local import LocalTrainingParams, LossFn, make_optimizer, train_local
+from promptfcl.training.local import LocalTrainingParams, LossFn
 
 
 class PILoRAParams(LocalTrainingParams):
@@ -78,7 +81,9 @@ class PILoRAParams(LocalTrainingParams):
     grad_clip: float | None = Field(None, gt=0)
     local_epochs: int = Field(10, gt=0)
     batch_size: int = Field(64, gt=0)
-    train_logits: TrainLogits = Field("seen", description="prototypes competing in l_dce")
+    train_logits: TrainLogits = Field(
+        "seen", description="prototypes competing in l_dce: seen tasks' (paper), all (pilora3: future random ones too)"
+    )
     rank: int = Field(4, ge=1)
     layers: list[int] = Field(default_factory=lambda: [0])
     temperature: float = Field(1.0, gt=0, description="T in l_dce = CE(−d/T)")
@@ -200,29 +205,15 @@ class PILoRAClient(SupervisedClient):
 
         return loss
 
-    def train(self, model: nn.Module, ctx: ClientContext, message: Message) -> dict[str, float]:
+    def param_groups(self, model: nn.Module, ctx: ClientContext, message: Message) -> list[dict]:
+        """The task's LoRA at `lr`, its prototypes at `proto_lr`, both scaled by the round's cosine factor."""
         p = self.params
-        if len(ctx.train_data) == 0:
-            return {"loss": 0.0}
         factor = 1.0
-        rounds = self.env.rounds_per_task
         if p.round_lr_schedule == "cosine":  # official: lr·½(1 + cos(π·round / rounds)) within each task
-            factor = 0.5 * (1 + math.cos(math.pi * ctx.round / rounds))
+            factor = 0.5 * (1 + math.cos(math.pi * ctx.round / self.env.rounds_per_task))
         lora = [q for q in model.prompt.parameters() if q.requires_grad]
         protos = [q for q in model.protos.parameters() if q.requires_grad]
-        groups = [{"params": lora, "lr": p.lr * factor}, {"params": protos, "lr": p.proto_lr * factor}]
-        opt = make_optimizer(p, groups)  # type: ignore[arg-type]  (torch optimizers take parameter groups)
-        return train_local(
-            model,
-            ctx.train_data,
-            p,
-            ctx.space(self.env).train_mask(ctx.label_task, p.train_logits),
-            self.env.train_transform(p.augment),
-            torch_generator(ctx.seed, "local"),
-            ctx.device,
-            self.loss_fn(message, ctx),
-            opt,
-        )
+        return [{"params": lora, "lr": p.lr * factor}, {"params": protos, "lr": p.proto_lr * factor}]
 
 
 class PILoRAServer(RoundServer):
