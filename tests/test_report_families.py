@@ -114,7 +114,7 @@ def test_each_scenario_family_gets_its_own_table_with_only_its_columns(tmp_path)
     assert len(validity) == 2
     assert "key_hit" not in validity[0] and "| hgp | 0.25 |" in validity[0]  # mean over seeds 0.2, 0.3
     assert "| fedmgp | 0.25 | 13 | all pass |" in validity[1]
-    assert md.count("Validity gate (`promptfcl/evaluation/validity.py`)") == 1  # explained once
+    assert md.count("Validity gate (`promptfcl/evaluation/validity.py`") == 1  # explained once
     # the column definitions: every header explained once, the personalized ones in its own section
     ci_section, pers_section = sections(md)[1:3]
     assert "final avg acc (%): average accuracy" in ci_section and "KR_t (%)" not in ci_section

@@ -278,12 +278,8 @@ def _appendix_note(families: list[Family]) -> str:
 
 
 VALIDITY_NOTE = (
-    "Validity gate (`promptfcl/evaluation/validity.py`): each value is the mean over seeds of the check's value. "
-    "client_loss = worst task's final-epoch client loss / the clients' label-prior loss (≤ 0.5); learned_tasks = "
-    "worst task's binomial p that its accuracy right after learning is at chance (< 0.001, and at least twice "
-    "chance); parameters_moved = the least-moved trained group's summed relative move (≥ 0.001); prompt_benefit = "
-    "accuracy with − without the prompts (fails when McNemar says they hurt); method signals as documented there. "
-    "A cell with a failing seed is marked ⚠ INVALID and cannot support a claim."
+    "Validity gate (`promptfcl/evaluation/validity.py`, which gives every threshold and why): each value is the mean "
+    "over seeds of the check's value. A cell with a failing seed is marked ⚠ INVALID and cannot support a claim."
 )
 
 
