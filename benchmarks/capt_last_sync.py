@@ -1,0 +1,69 @@
+"""Which synchronised part of CAPT's last global synchronisation changes the global model's accuracy?
+
+Reads a finished CAPT run directory (its final checkpoint, after the last round) and the checkpoint of the round
+before it, and evaluates on the run's test set the final server model, the model after the previous round, and the
+final model with each synchronised part (the coupling F, the general prompt P_g, the class-aware prompts P_c) put
+back to its value after the previous round. Prints a table and writes it as JSON.
+
+    PROMPTFCL_ASSETS=... python benchmarks/capt_last_sync.py RUN_DIR OUT.json
+
+RUN_DIR needs `checkpoint.safetensors` and `checkpoint.prev.safetensors` (kept by every run, git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from promptfcl.checkpoint import load_checkpoint
+from promptfcl.data.loader import LabeledSubset
+from promptfcl.runtime import Runtime
+from promptfcl.scenario.label_space import masked_logits
+
+PARTS = {"coupling F": ("coupling.",), "general prompt P_g": ("ctx", "deep_ctx"), "class prompts P_c": ("class_ctx",)}
+
+
+def part_of(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether a server-state key belongs to a part (`ctx` is not a prefix of `class_ctx`)."""
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args()
+    rt, server = Runtime.restore_server(args.run_dir)
+    final = {k: v.clone() for k, v in server.model.get_state().items()}
+    with tempfile.TemporaryDirectory() as tmp:  # the previous round's checkpoint, read as a checkpoint of its own
+        shutil.copy(args.run_dir / "checkpoint.prev.safetensors", Path(tmp) / "checkpoint.safetensors")
+        prev = load_checkpoint(Path(tmp), restore_rng=False).server.tensors
+    space = rt.scenario.label_space
+    test = LabeledSubset.of(rt.dataset.test, rt.scenario.test_indices[0], space.class_to_logit)
+    mask = space.eval_mask(0, 0, "task_agnostic")
+    batches = list(test.batches(128, rt.env.eval_transform))
+
+    @torch.no_grad()
+    def accuracy(state: dict[str, torch.Tensor]) -> float:
+        server.model.set_state(state)
+        server.model.eval()
+        right = sum(int((masked_logits(server.model(x), mask).argmax(1) == y).sum()) for x, y in batches)
+        return 100.0 * right / sum(len(y) for _, y in batches)
+
+    out = {"final (after the last round)": accuracy(final), "after the previous round": accuracy(
+        {k: prev[k] for k in final})}  # fmt: skip
+    for name, prefixes in PARTS.items():
+        state = {k: prev[k] if part_of(k, prefixes) else v for k, v in final.items()}
+        out[f"final, {name} from the previous round"] = accuracy(state)
+    for k, v in out.items():
+        print(f"{k}: {v:.2f} %")
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
