@@ -186,14 +186,20 @@ def test_cluster_members_receive_identical_p_c_and_clusters_different_ones(runti
     assert "model/coupling.0.weight" not in updates[0].tensors  # F stays local between global syncs
 
 
-def test_each_heterogeneity_cluster_receives_the_sample_weighted_mean_of_its_members_p_g(runtime) -> None:
+@pytest.mark.parametrize("coupling_sync", ["global", "cluster"])
+def test_each_heterogeneity_cluster_receives_the_sample_weighted_mean_of_its_members_p_g(
+    runtime, coupling_sync: str
+) -> None:
     """Heterogeneity clustering as printed (default `het_grouping: paper`): K-means on the rows of the
     complementarity matrix over head ∪ tail classes; the members of a cluster receive the sample-weighted mean of
-    their uploaded P_g (context and deep context), different clusters different ones; F stays local."""
+    their uploaded P_g (context and deep context), different clusters different ones. F stays local
+    (`coupling_sync: global`, the default) or travels and is averaged with P_g in the same clusters (`cluster`)."""
     from promptfcl.methods.capt.clustering import normalise
     from promptfcl.seeding import derive_seed
 
-    params = runtime.params.model_copy(update={"scheduler": "fixed", "sync_period": 100, "het_clusters": 2})
+    params = runtime.params.model_copy(
+        update={"scheduler": "fixed", "sync_period": 100, "het_clusters": 2, "coupling_sync": coupling_sync}
+    )
     assert runtime.params.het_grouping == "paper" and runtime.params.het_clusters == 3  # the paper's defaults
     server, client = runtime.spec.programs(runtime.env, params)
     grid = RecordingGrid.make(runtime, client)
@@ -207,13 +213,16 @@ def test_each_heterogeneity_cluster_receives_the_sample_weighted_mean_of_its_mem
     for g in set(labels.tolist()):
         members = [c for c, lab in zip(participants, labels, strict=True) if lab == g]
         n = torch.tensor([float(replies[c].scalars["num_samples"]) for c in members])
-        for name in ("ctx", "deep_ctx"):
+        coupling = [k for k in replies[members[0]].tensors if k.startswith("coupling.")]
+        assert bool(coupling) == (coupling_sync == "cluster")  # F uploaded every round only with `cluster`
+        for name in ("ctx", "deep_ctx", *coupling):
             expected = sum(w * replies[c].tensors[name].double() for w, c in zip(n / n.sum(), members, strict=True))
             for c in members:
                 assert torch.allclose(updates[c].tensors["model/" + name].double(), expected, atol=1e-6)
     a, b = (next(c for c, lab in zip(participants, labels, strict=True) if lab == g) for g in (0, 1))
     assert not torch.equal(updates[a].tensors["model/ctx"], updates[b].tensors["model/ctx"])
-    assert all(not k.startswith("model/coupling") for m in updates.values() for k in m.tensors)
+    sent_f = [k.startswith("model/coupling") for m in updates.values() for k in m.tensors]
+    assert any(sent_f) == (coupling_sync == "cluster")
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,11 @@ centralised check gave overall / tail 73.4 / 43.1 with t_i vs 71.1 / 29.1 (t_c, 
 mean of general and class logits). `ca_text: class` is Eq. 2 exactly as printed (inference: the mean of the
 general and class-aware logits unless `inference` says otherwise).
 The client keeps its P_g, P_c and F in its state between participations and uploads P_g, P_c, its label counts
-(and F in rounds that end with a global synchronisation [I: F is only averaged there]).
+(and F in rounds that end with a global synchronisation [I: F is only averaged there]). Switch `coupling_sync`:
+`global` (default, that reading) | `cluster` (F uploaded every round and averaged with P_g inside the
+heterogeneity clusters; the evaluated F is the participants' mean every round). Why the switch: on mini-CLIP the
+last average of F, trained apart by the clients for four rounds, alone took one seed's global model from 17.95
+to 12.4 % (docs/methods/capt.md, `benchmarks/capt_last_sync.py`); the paper does not say where F is averaged.
 
 Server (Algorithm 1, §3.3, App. A):
 1. similarity clustering: pairwise JS divergence of the participants' label distributions (Eq. 5) → K-means
@@ -112,6 +116,11 @@ class CaptParams(ClipFedAvgParams):
     class_ctx: int = Field(4, ge=0, description="T, class-aware prompt length per class [I]")
     depth: int = Field(9, ge=1, description="J, MaPLe depth of the general prompt and its vision prompts [I]")
     coupling: bool = Field(True, description="vision-language coupling F (Eq. 3)")
+    coupling_sync: Literal["global", "cluster"] = Field(
+        "global",
+        description="F averaged only at global synchronisations [I], or also with P_g in the heterogeneity clusters "
+        "every round (uploaded every round)",
+    )
     lam: float = Field(1.0, ge=0, description="λ of Eq. 4")
     ca_text: Literal["auto", "integrated", "class"] = Field(
         "auto",
@@ -280,6 +289,7 @@ class CaptServer(FedAvgServer):
         self.general = self.model.part_names("general")
         self.cls = self.model.part_names("class")
         self.coupling = self.model.part_names("coupling")
+        self.coupling_every_round = p.coupling_sync == "cluster"
         # this round: bytes exchanged, whether it ends with a global sync, the updates to send (set by the hooks)
         self.sent = 0
         self.sync = False
@@ -345,7 +355,7 @@ class CaptServer(FedAvgServer):
             tensors = {"prior": prior}
             if c not in self.holding:  # first contact: the initial prompts
                 tensors.update({MODEL + k: v for k, v in self.model.get_state().items()})
-            msgs[c] = Message(tensors, {"upload_coupling": self.sync}, kind="train")
+            msgs[c] = Message(tensors, {"upload_coupling": self.sync or self.coupling_every_round}, kind="train")
         self.sent += sum(m.nbytes() for m in msgs.values())
         return msgs
 
@@ -373,7 +383,7 @@ class CaptServer(FedAvgServer):
         new = self.model.get_state()
         new.update(self._mean(self.general, rs) if self.general else {})
         new.update(self._class_mean(rs, new) if self.cls else {})
-        if self.sync and self.coupling:
+        if (self.sync or self.coupling_every_round) and self.coupling:
             new.update(self._mean(self.coupling, rs))
         self.model.set_state(new)
 
@@ -401,9 +411,10 @@ class CaptServer(FedAvgServer):
                 group = cluster_rows if p.het_grouping == "paper" else complementary_clusters
                 labels = group(comp, p.het_clusters, p.clusterer, seed + 1)
                 metrics["het_clusters"] = int(labels.max()) + 1
+                shared = self.general + (self.coupling if self.coupling_every_round else [])
                 for g in range(int(labels.max()) + 1):
                     members = [i for i in range(len(ids)) if labels[i] == g]
-                    avg = self._mean(self.general, [rs[i] for i in members])
+                    avg = self._mean(shared, [rs[i] for i in members])
                     for i in members:
                         updates[ids[i]].tensors.update({MODEL + k: v for k, v in avg.items()})
         self.updates = updates
