@@ -306,7 +306,8 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     else:
         out["status"], out["reason"] = _reproduced(claim, diff, out)
     whole = out["all_seeds"]
-    if whole is not None and out["status"] != "inconclusive" and not (whole.low > 0 or whole.high < 0):
+    decided = out["status"] not in ("inconclusive", "invalid")  # only a verdict can rest on the left-out seeds
+    if whole is not None and decided and not (whole.low > 0 or whole.high < 0):
         out["status"] = "inconclusive"  # the verdict rests on leaving the failed seeds out
         out["reason"] = (f"the verdict holds only without the seeds that failed the gate ({gate}); with them the "
                          f"difference is {_fmt_diff(whole)}")  # fmt: skip

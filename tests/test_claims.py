@@ -96,6 +96,10 @@ def test_paired_runs_must_come_from_one_clean_commit(tmp_path) -> None:
     assert "2 code version(s) over 2 commit(s) and 1 run(s) with uncommitted changes" in result["reason"]
     claims.claims[0].provenance_note = "seed 3 of old changed only the docs"
     assert evaluate_claim(claims.claims[0], base)["status"] == "reproduced"
+    claims.claims[0].provenance_note = None  # a failed seed whose return would flip the verdict: still invalid
+    _summary(tmp_path, [5, 6, 7, 6, 5, 6], [1, 2, 30, 1, 3, 2], {"2": ["client_loss"]})
+    run_dirs(tmp_path / "study", "old", [3], commit="def456", dirty=True)
+    assert evaluate_claim(claims.claims[0], base)["status"] == "invalid"
 
 
 def test_commits_with_identical_code_are_one_provenance(tmp_path) -> None:
