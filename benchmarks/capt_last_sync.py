@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from promptfcl.checkpoint import load_checkpoint
+from promptfcl.checkpoint import PREVIOUS_NAME, verify_checkpoint
 from promptfcl.data.loader import LabeledSubset
+from promptfcl.federation.message import unprefixed
 from promptfcl.runtime import Runtime
 from promptfcl.scenario.label_space import masked_logits
 
@@ -40,9 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     rt, server = Runtime.restore_server(args.run_dir)
     final = {k: v.clone() for k, v in server.model.get_state().items()}
-    with tempfile.TemporaryDirectory() as tmp:  # the previous round's checkpoint, read as a checkpoint of its own
-        shutil.copy(args.run_dir / "checkpoint.prev.safetensors", Path(tmp) / "checkpoint.safetensors")
-        prev = load_checkpoint(Path(tmp), restore_rng=False).server.tensors
+    prev = unprefixed(verify_checkpoint(args.run_dir / PREVIOUS_NAME)[0], "server/")  # the round before
     space = rt.scenario.label_space
     test = LabeledSubset.of(rt.dataset.test, rt.scenario.test_indices[0], space.class_to_logit)
     mask = space.eval_mask(0, 0, "task_agnostic")
