@@ -232,3 +232,27 @@ def test_train_logits_all_lets_future_prototypes_compete(runtime: Runtime) -> No
             got = float(client.loss_fn(None, None)(model, x, y, mask))
         want = float(torch.nn.functional.cross_entropy(logits[:, rows], torch.tensor([rows.index(int(c)) for c in y])))
         assert got == pytest.approx(want, rel=1e-5), which
+
+
+def test_train_batch_class_means_average_every_feature_the_loss_saw(runtime: Runtime) -> None:
+    """`class_means: train_batches` (both official codes): a class's uploaded mean is the mean of every feature the
+    training loss computed for it over the round's batches, and a class seen fewer than `class_means_min_visits`
+    times is not uploaded."""
+    server, client = runtime.programs()
+    model, space = server.model, runtime.env.label_space
+    model.set_task(0)
+    client.params = client.params.model_copy(update={"class_means": "train_batches", "class_means_min_visits": 2})
+    a, b, c = space.tasks[0].logits[:3]
+    x = runtime.env.eval_transform(runtime.dataset.train.images[:6])
+    y = torch.tensor([a, b, a, a, b, c])
+    mask = space.train_mask(0, "seen")
+    loss = client.loss_fn(None, None)
+    loss(model, x[:3], y[:3], mask)  # two batches, as two steps of one round
+    loss(model, x[3:], y[3:], mask)
+    with torch.no_grad():
+        f = model.features(x).double()
+    stats = client.class_means(model, None)
+    assert dict(zip(stats.classes.tolist(), stats.counts.tolist(), strict=True)) == {a: 3, b: 2}
+    for cls, mean in zip(stats.classes.tolist(), stats.means, strict=True):
+        assert torch.allclose(mean.double(), f[y == cls].mean(0), atol=1e-5)
+    assert not torch.allclose(stats.means[0], stats.means[1], atol=1e-3)  # the classes' means differ

@@ -37,9 +37,13 @@ Switches (→ default, and why):
   (fed-mammoth's `pilora3`: every task's prototypes, the future tasks' random ones included, `_models/pilora.py`
   `protos` over `range(self.num_tasks)`) → seen [I]: a future class's random prototype is nothing the model can
   learn or be tested on yet.
-Deviations: class means are computed after local training in one eval-transform pass with the trained model
-([C] averages the training batches' features over all epochs, [M] uses the frozen backbone without LoRA);
-[C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the scenario fixes
+- `class_means`: "train_batches" (the mean of the features of every training batch of the round, all epochs, with
+  the model as it was at each step and the training augmentation: [C] `update.py` `label_feature_dict`, [M]
+  `_models/pilora.py` `average_features`) | "eval_pass" (one evaluation-transform pass with the trained model
+  after local training) → train_batches, what both codes do (the paper's body was not available to us).
+  `class_means_min_visits`: a class's mean is uploaded only if at least this many feature vectors went into it
+  (1: [C] keeps every class seen; [M] keeps classes with more than 5, i.e. 6).
+Deviations: [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the scenario fixes
 the partition); [C] sums only task 0's and the current task's factors in its global model (an indexing bug), we
 sum every seen task. What travels: down the seen tasks' LoRA and prototypes; up task t's LoRA, its prototypes
 and the class means (`stats/`, with counts) — nothing of future tasks.
@@ -66,7 +70,7 @@ from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.methods.pilora.signals import check_reweighting
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
-from promptfcl.statistics import class_statistics, uploaded_statistics
+from promptfcl.statistics import ClassStatistics, class_statistics, uploaded_statistics
 from promptfcl.statistics.class_stats import statistics_schema
 from promptfcl.training.local import LocalTrainingParams, LossFn
 
@@ -96,6 +100,14 @@ class PILoRAParams(LocalTrainingParams):
     train_with_old: bool = True
     round_lr_schedule: Literal["cosine", "constant"] = "cosine"
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the LoRA")
+    class_means: Literal["train_batches", "eval_pass"] = Field(
+        "train_batches",
+        description="class means for the re-weighting: the round's training batches' features (both codes) or "
+        "one evaluation-transform pass after training",
+    )
+    class_means_min_visits: int = Field(
+        1, ge=1, description="train_batches: fewest feature vectors behind an uploaded mean (fed-mammoth: 6)"
+    )
     distance: Literal["root", "squared"] = Field(
         "root",
         description="d_c = √(‖f − m_c‖²/D) (fed-mammoth's pilora3) or ‖f − m_c‖²/D (the authors' CPN.py "
@@ -173,8 +185,7 @@ class PILoRAClient(SupervisedClient):
         stats = self.train(model, ctx, message)
         out = {k: v.detach().clone() for k, v in model.state_dict().items() if k in model.task_tensors(ctx.stage)}
         if len(ctx.train_data):
-            means = class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
-            out.update(means.to_tensors())
+            out.update(self.class_means(model, ctx).to_tensors())
         scalars = {"num_samples": len(ctx.train_data), **loss_scalars(stats)}
         steps = max(getattr(self, "parts", {}).get("steps", 0), 1)
         if len(ctx.train_data):
@@ -185,12 +196,37 @@ class PILoRAClient(SupervisedClient):
             scalars["last_loss"] = sum(last) / len(last)
         return Message(out, scalars, kind="train_reply")
 
+    def class_means(self, model: PrototypeLoRAClassifier, ctx: ClientContext) -> ClassStatistics:
+        """The local classes' mean features the server's re-weighting scores prototypes against (`class_means`).
+        With train_batches, `counts` holds how many feature vectors (samples × epochs) each mean averages."""
+        p = self.params
+        if p.class_means == "eval_pass":
+            return class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
+        if self.feature_sums is None:  # no training step ran
+            return ClassStatistics(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0))
+        sums, visits = self.feature_sums
+        keep = (visits >= p.class_means_min_visits).nonzero().flatten()
+        means = (sums[keep] / visits[keep].unsqueeze(1)).float()
+        return ClassStatistics(keep, visits[keep], means)
+
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
         self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": []}  # terms beside the total
+        self.feature_sums: tuple[torch.Tensor, torch.Tensor] | None = None  # per logit: Σ f (float64), visits
+
+        def accumulate(f: torch.Tensor, y: torch.Tensor) -> None:
+            if self.feature_sums is None:
+                n = self.env.label_space.num_logits
+                self.feature_sums = (torch.zeros(n, f.shape[1], dtype=torch.float64), torch.zeros(n, dtype=torch.long))
+            sums, visits = self.feature_sums
+            sums.index_add_(0, y.cpu(), f.detach().double().cpu())
+            visits.index_add_(0, y.cpu(), torch.ones_like(y, device="cpu"))
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            d = model.distances(model.features(x))
+            f = model.features(x)
+            if p.class_means == "train_batches":
+                accumulate(f, y)
+            d = model.distances(f)
             dce = F.cross_entropy(masked_logits(-d / p.temperature, mask), y)
             pl = d.gather(1, y.unsqueeze(1)).mean()
             ort = model.prompt.orthogonality()
