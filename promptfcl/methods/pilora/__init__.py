@@ -43,10 +43,10 @@ Switches (→ default, and why):
   after local training) → train_batches, what both codes do (the paper's body was not available to us).
   `class_means_min_visits`: a class's mean is uploaded only if at least this many feature vectors went into it
   (1: [C] keeps every class seen; [M] keeps classes with more than 5, i.e. 6).
-Deviations: [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the scenario fixes
-the partition); [C] sums only task 0's and the current task's factors in its global model (an indexing bug), we
-sum every seen task. What travels: down the seen tasks' LoRA and prototypes; up task t's LoRA, its prototypes
-and the class means (`stats/`, with counts) — nothing of future tasks.
+Deviations: [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the
+scenario fixes the partition); [C] sums only task 0's and the current task's factors in its global model (an
+indexing bug), we sum every seen task. What travels: down the seen tasks' LoRA and prototypes; up task t's LoRA,
+its prototypes and the class means (`stats/`, with counts) — nothing of future tasks.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ class PILoRAClient(SupervisedClient):
         if p.class_means == "eval_pass":
             return class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
         if self.feature_sums is None:  # no training step ran
-            return ClassStatistics(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0))
+            empty = torch.zeros(0, dtype=torch.long)
+            return ClassStatistics(empty, empty, torch.zeros(0, 0))
         sums, visits = self.feature_sums
         keep = (visits >= p.class_means_min_visits).nonzero().flatten()
         means = (sums[keep] / visits[keep].unsqueeze(1)).float()
