@@ -344,3 +344,39 @@ def test_lr_a_and_lr_b_give_the_rounds_factor_its_own_lr(runtime: Runtime) -> No
     assert moved["default"][0] > 0 and moved["default"][1] > 0
     assert moved["lr_b 0"][0] == 0.0 and moved["lr_b 0"][1] > 0  # the factor frozen by its lr, the head trained
     assert moved["lr_a 0"] == moved["default"]  # lr_a acts only in A rounds
+
+
+@pytest.mark.parametrize("round_eval", ["merged", "running_mean"])
+def test_round_eval_before_a_tasks_end(runtime: Runtime, round_eval: str) -> None:
+    """Before task 1 ends, `merged` evaluates task 0's merge alone (the current module not yet in it) and
+    `running_mean` the code's filler W0 + (B0·A0 + B1·A1) / 2; after the task's merge both evaluate the merge."""
+    server, _ = runtime.programs()
+    server.params = server.params.model_copy(update={"round_eval": round_eval})
+    gen = torch.Generator().manual_seed(5)
+    sites = [site_key(s) for s in server.adapter.sites]
+    d = runtime.env.backbone.embed_dim
+    modules: list[dict[str, torch.Tensor]] = []
+    merged0: dict[str, torch.Tensor] = {}  # task 0's merge, set after its end
+    for task in range(2):
+        server.begin_stage(task)
+        state = server.model.get_state()
+        for k in sites:
+            state[f"prompt.b.{k}"] = torch.randn(state[f"prompt.b.{k}"].shape, generator=gen) * 0.1
+        server.model.set_state(state)
+        modules.append({k: state[f"prompt.b.{k}"].double() @ state[f"prompt.a.{k}"].double() for k in sites})
+        if task == 1:  # mid-task: what every-round evaluation sees
+            evaluated = {site_key(s): dl.dense().double() for s, dl in server.global_model().prompt.fixed.items()}
+            for k in sites:
+                want = (modules[0][k] + modules[1][k]) / 2 if round_eval == "running_mean" else merged0[k]
+                assert torch.allclose(evaluated[k], want, atol=1e-5), k
+        n_in = {k: state[f"prompt.a.{k}"].shape[1] for k in sites}
+        xs = {k: torch.randn(n_in[k] + 3, n_in[k], generator=gen) for k in sites}
+        reply = Message({**{GRAM + k: (x.T @ x).float() for k, x in xs.items()}, GRAM + "head": torch.eye(d)},
+                        {"num_samples": 5})  # fmt: skip
+        server.merge_task(ScriptedGrid({0: reply}), RoundInfo(task, 1, (0,)))
+        if task == 0:
+            merged0 = {site_key(s): dl.dense().double() for s, dl in server.merged_deltas().items()}
+    after = {site_key(s): dl.dense().double() for s, dl in server.global_model().prompt.fixed.items()}
+    final = {site_key(s): dl.dense().double() for s, dl in server.merged_deltas().items()}
+    assert all(torch.allclose(after[k], final[k]) for k in sites)  # at the task's end: the merge, either way
+    assert not torch.allclose(after[sites[0]], (modules[0][sites[0]] + modules[1][sites[0]]) / 2, atol=1e-5)

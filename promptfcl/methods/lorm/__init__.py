@@ -49,15 +49,17 @@ Switches (→ default, and why):
   | 0.1 (the code's argparse default `wd_reg`, used by no released command; AdamW then decays the whole head, so
   older tasks' rows shrink a little every step) → 0.0: the paper does not state it (nor does [H]), and the
   released commands that reproduce its numbers set 0.
+- `round_eval` (what `every_round` evaluation sees before a task's end): "merged" (the previous tasks' merge with
+  the current head; the current module joins at the task's end) [I] | "running_mean" (the code's "filler",
+  W0 + (Σ_{τ<t} B_τA_τ + B_t·A_t)/(t+1), `_models/lorm.py:170-173`) → merged: the paper evaluates after each
+  task only. Task-end accuracies (the accuracy matrix, FAA) are the same either way.
 Hyper-parameters: AdamW lr 3e-4, no gradient clipping, batch 16, 5 local epochs, 5 rounds per task [C][N]; [H]
 gives per-setting lr / rank (CIFAR-100 β 0.5: 3e-4 / 1, 0.1: 1e-4 / 16, 0.05: 5e-4 / 16).
 Communication (what travels, counted by the Grid): down A, B, head (+ previous factors for "running_mean");
 up the trained factor, head, the head Gram (d×d) and each adapted projection's Gram — its diagonal (n,) when
 γ_backbone = 0 (the code ships the full n×n matrix with zeroed off-diagonals; the merge is identical); the
 end-of-task exchange adds a second down/up of the module and the Grams, in the task's last round.
-Deviations: robust aggregation rules and norm screening are not offered (closed-form merge); with `every_round`
-evaluation, rounds before a task's end are evaluated with the previous tasks' merge and the current module is
-not part of it until the task ends [I] (the code evaluates a running-mean "filler").
+Deviations: robust aggregation rules and norm screening are not offered (closed-form merge).
 """
 
 from __future__ import annotations
@@ -118,6 +120,11 @@ class LoRMParams(LocalTrainingParams):
         "inverse", description="head merge (Σ W_k H_k)(Σ H_k)^-1 with an inverse (code, RegMean) or a pseudo-inverse"
     )
     weighting: Literal["samples", "uniform"] = Field("samples", description="FedAvg weights of the head bias")
+    round_eval: Literal["merged", "running_mean"] = Field(
+        "merged",
+        description="model evaluated before a task's end: the previous tasks' merge (+ head) or the code's "
+        "running mean of every task's module, the current one included",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> LoRMParams:
@@ -148,6 +155,19 @@ def factor_names(model: PromptedClassifier, factor: str) -> list[str]:
 def old_factor_tensors(past: list[dict[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """The previous tasks' (A_τ, B_τ) as message tensors `old/<τ>/<a|b>/<site>` (running-mean Grams only)."""
     return {f"{OLD}{t}/{f}/{k}": v for t, task in enumerate(past) for f in ("a", "b") for k, v in task[f].items()}
+
+
+def running_mean_deltas(
+    current: dict[Site, LoRADelta], old: list[dict[str, dict[str, torch.Tensor]]], scale: float
+) -> dict[Site, LoRADelta]:
+    """The code's "filler" model (`_models/lorm.py`): per site (Σ_{τ<t} s·B_τA_τ + the current delta) / (t + 1),
+    `old[τ]` holding task τ's factors as {"a": {site key: A_τ}, "b": {site key: B_τ}}."""
+    out = {}
+    for s, total in current.items():
+        for task in old:
+            total = total.plus(LoRADelta(task["a"][site_key(s)], task["b"][site_key(s)], scale))
+        out[s] = LoRADelta(total.a, total.b, 1.0 / (len(old) + 1))
+    return out
 
 
 class LoRMClient(SupervisedClient):
@@ -198,18 +218,12 @@ class LoRMClient(SupervisedClient):
             return {**out, GRAM + "head": torch.zeros(d, d, dtype=dtype)}
         spec = model.prompt()
         if p.gram_model == "running_mean" and ctx.stage > 0:  # the code's "filler": mean of all tasks' deltas
-            t = ctx.stage
-            deltas = {}
-            for s in sites:
-                k, cur = site_key(s), model.prompt.deltas()[s]
-                old = [
-                    LoRADelta(message.tensors[f"{OLD}{i}/a/{k}"], message.tensors[f"{OLD}{i}/b/{k}"]) for i in range(t)
-                ]
-                total = cur
-                for d in old:
-                    total = total.plus(LoRADelta(d.a, d.b, p.lora_scale))
-                deltas[s] = LoRADelta(total.a, total.b, 1.0 / (t + 1))
-            spec = lora_spec(deltas)
+            keys = [site_key(s) for s in sites]
+            old = [
+                {f: {k: message.tensors[f"{OLD}{i}/{f}/{k}"] for k in keys} for f in ("a", "b")}
+                for i in range(ctx.stage)
+            ]
+            spec = lora_spec(running_mean_deltas(model.prompt.deltas(), old, p.lora_scale))
         modules = {site_key(s): site_weight(backbone, s) for s in sites}
         if p.gram_images == "train":  # the code: the training augmentation, from this message's own generator
             transform, gen = self.env.train_transform(p.augment), torch_generator(ctx.seed, "gram")
@@ -244,6 +258,7 @@ class LoRMServer(RoundServer):
         if task != self.task_started:  # idempotent on resume: the module of a started task is kept
             self.adapter.reset(torch_generator(self.env.seed, "lorm", "init", task))
             self.task_started = task
+            self._eval = None
 
     def downlink(self, info: RoundInfo) -> Message:
         tensors = self.model.get_state()
@@ -325,11 +340,18 @@ class LoRMServer(RoundServer):
         return self.model.get_state()
 
     def global_model(self) -> nn.Module:
+        """After a task's end: W0 + the RegMean merge of every task so far, with the head. Before it (every-round
+        evaluation): the previous tasks' merge (`round_eval: merged`), or the code's filler (`running_mean`)."""
         if not self.past:
             return self.model
         if self._eval is None:
+            mid_task = len(self.past) <= self.task_started  # the current task's module is not merged yet
+            if mid_task and self.params.round_eval == "running_mean":
+                deltas = running_mean_deltas(self.adapter.deltas(), self.past, self.params.lora_scale)
+            else:
+                deltas = self.merged_deltas()
             model = PromptedClassifier(self.env.backbone, self.env.label_space.num_logits, None)
-            model.prompt = FixedDeltas(self.merged_deltas())
+            model.prompt = FixedDeltas(deltas)
             model.head = self.model.head
             self._eval = model.to(self.env.device)
         return self._eval
