@@ -1,0 +1,73 @@
+"""benchmarks/official_compare.py: the paired promptfcl − official table reads both sides' files correctly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "official_compare.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("official_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["official_compare"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_ours(root: Path, seed: int, faa: float, client_cpu: list[float], eval_cpu: list[float]) -> None:
+    run = root / "lorm" / f"seed{seed}"
+    run.mkdir(parents=True)
+    matrix = [[faa + 10], [faa - 5, faa + 5]]  # last row's mean = faa
+    (run / "metrics.json").write_text(json.dumps({"summary": {"faa": faa}, "accuracy_matrix": matrix}))
+    rounds = [{"client_cpu_seconds": c, "server_cpu_seconds": 1.0, "eval_cpu_seconds": e}
+              for c, e in zip(client_cpu, eval_cpu, strict=True)]  # fmt: skip
+    (run / "rounds.jsonl").write_text("\n".join(json.dumps(r) for r in rounds) + "\n")
+
+
+def write_theirs(root: Path, seed: int, faa: float, client_cpu: float, evals: int) -> None:
+    cell = root / "lorm"
+    cell.mkdir(parents=True, exist_ok=True)
+    rounds = [{"client_cpu_seconds": client_cpu, "server_cpu_seconds": 2.0, "eval_cpu_seconds": 3.0 * evals,
+               "evaluations": evals, "loss": 1.0}] * 2  # fmt: skip
+    (cell / f"seed{seed}.json").write_text(
+        json.dumps({"faa": faa, "accuracy_matrix": [[faa], [faa, faa]], "rounds": rounds})
+    )
+
+
+def test_paired_difference_and_cpu_ratios(compare, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for seed, (a, b) in enumerate([(50.0, 49.0), (52.0, 50.5), (51.0, 50.5)]):
+        write_ours(ours, seed, a, [4.0, 6.0], [0.0, 2.0])  # one evaluation of 2 s in two rounds
+        write_theirs(theirs, seed, b, 10.0, evals=2)  # two evaluations of 3 s each per round
+    write_theirs(theirs, 7, 40.0, 10.0, evals=1)  # a seed promptfcl did not run: left out of the pairs
+    text = compare.main(["--promptfcl", str(ours), "--official", str(theirs)])
+    assert "over 3 paired seeds: +1.00 [-0.24, +2.24]" in text  # differences +1, +1.5, +0.5
+    assert "| 1 | 52.00 | 50.50 | +1.50 | 15.00 | 0.00 |" in text  # forgetting: 60 − 45 on ours, none on theirs
+    assert "needs a measured cause" not in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if "CPU" not in line and "per " in line}
+    assert rows["client per round"].split("|")[2:5] == [" 5.00 ", " 10.00 ", " 0.50 "]
+    assert rows["server per round"].split("|")[2:5] == [" 1.00 ", " 2.00 ", " 0.50 "]
+    assert rows["eval per evaluation"].split("|")[2:5] == [" 2.00 ", " 3.00 ", " 0.67 "]
+
+
+def test_an_interval_outside_the_tolerance_is_flagged(compare, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for seed, (a, b) in enumerate([(50.0, 40.0), (52.0, 41.0), (51.0, 40.5)]):
+        write_ours(ours, seed, a, [4.0], [1.0])
+        write_theirs(theirs, seed, b, 10.0, evals=1)
+    assert "needs a measured cause" in compare.main(["--promptfcl", str(ours), "--official", str(theirs)])
+
+
+def test_an_official_file_without_the_phase_times_is_refused(compare, tmp_path: Path) -> None:
+    cell = tmp_path / "theirs" / "lorm"
+    cell.mkdir(parents=True)
+    (cell / "seed0.json").write_text(json.dumps({"faa": 1.0, "accuracy_matrix": [[1.0]], "rounds": [{}]}))
+    with pytest.raises(SystemExit, match="client_cpu_seconds"):
+        compare.main(["--promptfcl", str(tmp_path / "ours"), "--official", str(tmp_path / "theirs")])
