@@ -205,7 +205,7 @@ class PILoRAClient(SupervisedClient):
         if self.feature_sums is None:  # no training step ran
             empty = torch.zeros(0, dtype=torch.long)
             return ClassStatistics(empty, empty, torch.zeros(0, 0))
-        sums, visits = self.feature_sums
+        sums, visits = (t.cpu() for t in self.feature_sums)
         keep = (visits >= p.class_means_min_visits).nonzero().flatten()
         means = (sums[keep] / visits[keep].unsqueeze(1)).float()
         return ClassStatistics(keep, visits[keep], means)
@@ -215,13 +215,14 @@ class PILoRAClient(SupervisedClient):
         self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": []}  # terms beside the total
         self.feature_sums: tuple[torch.Tensor, torch.Tensor] | None = None  # per logit: Σ f (float64), visits
 
-        def accumulate(f: torch.Tensor, y: torch.Tensor) -> None:
+        def accumulate(f: torch.Tensor, y: torch.Tensor) -> None:  # on f's device: no host sync per step
             if self.feature_sums is None:
                 n = self.env.label_space.num_logits
-                self.feature_sums = (torch.zeros(n, f.shape[1], dtype=torch.float64), torch.zeros(n, dtype=torch.long))
+                sums = torch.zeros(n, f.shape[1], dtype=torch.float64, device=f.device)
+                self.feature_sums = (sums, torch.zeros(n, dtype=torch.long, device=f.device))
             sums, visits = self.feature_sums
-            sums.index_add_(0, y.cpu(), f.detach().double().cpu())
-            visits.index_add_(0, y.cpu(), torch.ones_like(y, device="cpu"))
+            sums.index_add_(0, y, f.detach().double())
+            visits.index_add_(0, y, torch.ones_like(y))
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             f = model.features(x)
