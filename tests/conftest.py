@@ -33,6 +33,20 @@ TINY: dict[str, Any] = {
 }
 
 
+def load_benchmark(name: str) -> Any:
+    """The module of `benchmarks/<name>.py` (scripts, not a package), registered under `name`."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def deep_update(base: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in updates.items():

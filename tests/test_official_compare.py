@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "official_compare.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("official_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["official_compare"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("official_compare")
 
 
 def write_ours(root: Path, seed: int, faa: float, client_cpu: list[float], eval_cpu: list[float]) -> None:

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-PERF = Path(__file__).resolve().parents[1] / "benchmarks" / "perf.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def perf():
-    spec = importlib.util.spec_from_file_location("perf_benchmark", PERF)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["perf_benchmark"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("perf")
 
 
 def test_bf16_peak_is_looked_up_by_device_name_most_specific_first(perf) -> None:
