@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from promptfcl.checkpoint import PREVIOUS_NAME, verify_checkpoint
-from promptfcl.data.loader import LabeledSubset
+from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.federation.message import unprefixed
 from promptfcl.runtime import Runtime
-from promptfcl.scenario.label_space import masked_logits
 
 PARTS = {"coupling F": ("coupling.",), "general prompt P_g": ("ctx", "deep_ctx"), "class prompts P_c": ("class_ctx",)}
 
@@ -40,17 +39,11 @@ def main() -> None:
     rt, server = Runtime.restore_server(args.run_dir)
     final = {k: v.clone() for k, v in server.model.get_state().items()}
     prev = unprefixed(verify_checkpoint(args.run_dir / PREVIOUS_NAME)[0], "server/")  # the round before
-    space = rt.scenario.label_space
-    test = LabeledSubset.of(rt.dataset.test, rt.scenario.test_indices[0], space.class_to_logit)
-    mask = space.eval_mask(0, 0, "task_agnostic")
-    batches = list(test.batches(128, rt.env.eval_transform))
+    evaluator = Evaluator(rt.dataset.test, rt.scenario, rt.env.eval_transform, 128, rt.device)
 
-    @torch.no_grad()
-    def accuracy(state: dict[str, torch.Tensor]) -> float:
+    def accuracy(state: dict[str, torch.Tensor]) -> float:  # the run's single task, task-agnostic as in the run
         server.model.set_state(state)
-        server.model.eval()
-        right = sum(int((masked_logits(server.model(x), mask).argmax(1) == y).sum()) for x, y in batches)
-        return 100.0 * right / sum(len(y) for _, y in batches)
+        return evaluator.evaluate(server.model, 0)[0].accuracy
 
     out = {"final (after the last round)": accuracy(final), "after the previous round": accuracy(
         {k: prev[k] for k in final})}  # fmt: skip

@@ -74,10 +74,6 @@ def per_round(runs: list[dict[str, Any]], phase: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def forgetting(matrix: list[list[float]]) -> float:
-    return float(average_forgetting(matrix)) if len(matrix) > 1 else 0.0
-
-
 def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, dict[str, Any]]) -> str:
     """One cell's Markdown section (seeds both sides finished)."""
     seeds = sorted(set(ours) & set(theirs))
@@ -90,7 +86,7 @@ def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, d
         a, b = ours[s], theirs[s]
         lines.append(
             f"| {s} | {a['faa']:.2f} | {b['faa']:.2f} | {a['faa'] - b['faa']:+.2f} | "
-            f"{forgetting(a['accuracy_matrix']):.2f} | {forgetting(b['accuracy_matrix']):.2f} |"
+            f"{average_forgetting(a['accuracy_matrix']):.2f} | {average_forgetting(b['accuracy_matrix']):.2f} |"
         )
     outside = diff.n > 1 and (diff.low < -TOLERANCE or diff.high > TOLERANCE)
     interval = f"[{diff.low:+.2f}, {diff.high:+.2f}]" if diff.n > 1 else "(one seed: no interval)"

@@ -99,6 +99,34 @@ def extract_features(
     return torch.cat(feats), torch.cat(ys)
 
 
+class RunningClassMeans:
+    """Per-class sums of features as they stream past (e.g. the training batches of a round, PILoRA's class means
+    in both official codes): float64 sums and counts on the features' device, so adding a batch needs no host
+    sync; `statistics()` returns the means of the classes seen at least `min_count` times."""
+
+    def __init__(self, num_logits: int) -> None:
+        self.num_logits = num_logits
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+
+    def add(self, feats: torch.Tensor, targets: torch.Tensor) -> None:
+        """Accumulate (N, d) features of logit targets (N,) (detached)."""
+        if self.sums is None or self.counts is None:
+            self.sums = feats.new_zeros(self.num_logits, feats.shape[1], dtype=torch.float64)
+            self.counts = torch.zeros(self.num_logits, dtype=torch.long, device=feats.device)
+        self.sums.index_add_(0, targets, feats.detach().double())
+        self.counts.index_add_(0, targets, torch.ones_like(targets))
+
+    def statistics(self, min_count: int = 1) -> ClassStatistics:
+        """Count and mean (no spread) of every class added at least `min_count` times, on the CPU."""
+        if self.sums is None or self.counts is None:
+            empty = torch.zeros(0, dtype=torch.long)
+            return ClassStatistics(empty, empty, torch.zeros(0, 0))
+        sums, counts = self.sums.cpu(), self.counts.cpu()
+        keep = (counts >= min_count).nonzero().flatten()
+        return ClassStatistics(keep, counts[keep], (sums[keep] / counts[keep].unsqueeze(1)).float())
+
+
 def summarize(
     feats: torch.Tensor, targets: torch.Tensor, covariance: Covariance = "diag", min_count: int = 2
 ) -> ClassStatistics:

@@ -271,6 +271,11 @@ class CaptClient(SupervisedClient):
 class CaptServer(FedAvgServer):
     """Algorithm 1's server: two clusterings, cluster-wise averaging, per-client downlink, bandit-timed sync."""
 
+    @property
+    def coupling_every_round(self) -> bool:
+        """`coupling_sync: cluster`: F travels every round and is averaged with P_g in the heterogeneity clusters."""
+        return self.params.coupling_sync == "cluster"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)  # seeds "model_init" and builds the model
         p: CaptParams = self.params
@@ -289,7 +294,6 @@ class CaptServer(FedAvgServer):
         self.general = self.model.part_names("general")
         self.cls = self.model.part_names("class")
         self.coupling = self.model.part_names("coupling")
-        self.coupling_every_round = p.coupling_sync == "cluster"
         # this round: bytes exchanged, whether it ends with a global sync, the updates to send (set by the hooks)
         self.sent = 0
         self.sync = False

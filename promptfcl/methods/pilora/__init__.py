@@ -70,7 +70,7 @@ from promptfcl.methods.pilora.prototypes import prototype_reweight
 from promptfcl.methods.pilora.signals import check_reweighting
 from promptfcl.model import ExchangedModel
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
-from promptfcl.statistics import ClassStatistics, class_statistics, uploaded_statistics
+from promptfcl.statistics import ClassStatistics, RunningClassMeans, class_statistics, uploaded_statistics
 from promptfcl.statistics.class_stats import statistics_schema
 from promptfcl.training.local import LocalTrainingParams, LossFn
 
@@ -202,32 +202,17 @@ class PILoRAClient(SupervisedClient):
         p = self.params
         if p.class_means == "eval_pass":
             return class_statistics(model.features, ctx.train_data, self.env.eval_transform, ctx.device, "none", 1)
-        if self.feature_sums is None:  # no training step ran
-            empty = torch.zeros(0, dtype=torch.long)
-            return ClassStatistics(empty, empty, torch.zeros(0, 0))
-        sums, visits = (t.cpu() for t in self.feature_sums)
-        keep = (visits >= p.class_means_min_visits).nonzero().flatten()
-        means = (sums[keep] / visits[keep].unsqueeze(1)).float()
-        return ClassStatistics(keep, visits[keep], means)
+        return self.batch_means.statistics(p.class_means_min_visits)
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
         self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": []}  # terms beside the total
-        self.feature_sums: tuple[torch.Tensor, torch.Tensor] | None = None  # per logit: Σ f (float64), visits
-
-        def accumulate(f: torch.Tensor, y: torch.Tensor) -> None:  # on f's device: no host sync per step
-            if self.feature_sums is None:
-                n = self.env.label_space.num_logits
-                sums = torch.zeros(n, f.shape[1], dtype=torch.float64, device=f.device)
-                self.feature_sums = (sums, torch.zeros(n, dtype=torch.long, device=f.device))
-            sums, visits = self.feature_sums
-            sums.index_add_(0, y, f.detach().double())
-            visits.index_add_(0, y, torch.ones_like(y))
+        self.batch_means = RunningClassMeans(self.env.label_space.num_logits)  # class_means: train_batches
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             f = model.features(x)
             if p.class_means == "train_batches":
-                accumulate(f, y)
+                self.batch_means.add(f, y)
             d = model.distances(f)
             dce = F.cross_entropy(masked_logits(-d / p.temperature, mask), y)
             pl = d.gather(1, y.unsqueeze(1)).mean()
