@@ -1,7 +1,9 @@
 """Evaluation regimes, dispatched in one place (`build_regime`) from `eval.regime` and the scenario kind.
 
 - `ClassIncrementalRegime` (`task_agnostic` / `task_aware` over global tasks): the global model on every seen task
-  after each task → the accuracy matrix, FAA, forgetting, BWT (`evaluation.metrics`).
+  after each task → the accuracy matrix, FAA, forgetting, BWT (`evaluation.metrics`). A server that scores each
+  client's own model (`ServerProgram.personal_models`: the local-only control) is scored as the mean over clients
+  (metrics.json `scored_model: clients`).
 - `SlotRegime` (`task_aware` on an asynchronous scenario, Powder/C2Prompt): at every stage end (and every round
   with `eval.every_round`), for every (client, task) trained so far, accuracy on the test images of its real
   classes (in the owner client's image domain when `scenario.domains` is set) with logits masked to its own slots,
@@ -40,7 +42,7 @@ from promptfcl.data.domains import ImageDomain
 from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import ImageTransform
 from promptfcl.evaluation.client_local import ClientLocalRegime
-from promptfcl.evaluation.evaluator import Evaluator
+from promptfcl.evaluation.evaluator import Evaluator, TaskResult
 from promptfcl.evaluation.metrics import accuracy_curve, class_group_accuracy, summarize
 from promptfcl.evaluation.prompt_effect import PromptEffectTally, compare_ablation
 from promptfcl.evaluation.transfer import stage_accuracy, transfer_summary
@@ -84,7 +86,9 @@ class ClassIncrementalRegime(ServerSideRegime):
         state.update(accuracy_matrix=[], correct=[], total=[])
 
     def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
-        results = self.evaluator.evaluate(server.global_model(), task)
+        final = last and task == len(self.evaluator.subsets) - 1
+        tally = self.prompt_effect_tally() if final else None
+        results = self.score(server, task, tally)
         entry: dict[str, Any] = {"accuracy": [r.accuracy for r in results]}
         if self.class_groups is not None:
             entry["class_groups"] = self.group_accuracy(results)
@@ -94,17 +98,32 @@ class ClassIncrementalRegime(ServerSideRegime):
             state["total"] = [r.total for r in results]
             if self.class_groups is not None:
                 state["class_groups"] = entry["class_groups"]
-            final = task == len(self.evaluator.subsets) - 1
-            tally = self.prompt_effect_tally() if final else None
             if tally is not None:
-                tally.add(server.global_model(), self.batches(task))
                 state["prompt_effect"] = tally.result()
+            if server.personal_models() is not None:
+                state["scored_model"] = "clients"
             if final:
                 state["ablations"] = {
                     name: compare_ablation(server.global_model(), ablated, self.batches(task)).as_dict()
                     for name, ablated in server.ablations().items()
                 }
         return entry
+
+    def score(self, server: ServerProgram, task: int, tally: PromptEffectTally | None) -> list[TaskResult]:
+        """The global model's results on tasks 0..task or, when the server scores each client's own model
+        (`ServerProgram.personal_models`), their sum over clients: every client is tested on the same images, so
+        the summed counts give the mean over clients of each client's accuracy, per task and per class."""
+        personal = server.personal_models()
+        models = ((None, server.global_model()),) if personal is None else personal
+        total: list[TaskResult] | None = None
+        for _, model in models:
+            results = self.evaluator.evaluate(model, task)
+            if tally is not None:
+                tally.add(model, self.batches(task))
+            total = results if total is None else [add_results(a, b) for a, b in zip(total, results, strict=True)]
+        if total is None:
+            raise ValueError(f"{type(server).__name__}.personal_models() gave no model to score")
+        return total
 
     def batches(self, after: int) -> Any:
         ev = self.evaluator
@@ -136,7 +155,20 @@ class ClassIncrementalRegime(ServerSideRegime):
             "summary": {**summarize(A, state["correct"], state["total"]), **groups},
             "accuracy_matrix": A,
             "accuracy_curve": accuracy_curve(A),
+            **({"scored_model": state["scored_model"]} if "scored_model" in state else {}),
         }
+
+
+def add_results(a: TaskResult, b: TaskResult) -> TaskResult:
+    """Two models' results on the same task's test images, counted together (per class when tallied)."""
+
+    def merged(x: dict[int, int] | None, y: dict[int, int] | None) -> dict[int, int] | None:
+        return None if x is None or y is None else {k: x.get(k, 0) + y.get(k, 0) for k in {*x, *y}}
+
+    return TaskResult(
+        a.task, a.correct + b.correct, a.total + b.total,
+        merged(a.class_correct, b.class_correct), merged(a.class_total, b.class_total),
+    )  # fmt: skip
 
 
 class SlotEvaluator:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -414,6 +414,12 @@ class ServerProgram(_Program, ABC):
         exactly the (client, task) pairs one model serves (C2Prompt's CPA: the client; Powder and the direct
         reference: the task). The evaluator asks for each model once and tests all its tasks with it, and reads
         from these keys which model was scored (metrics.json `scored_model`)."""
+        return None
+
+    def personal_models(self) -> Iterator[tuple[int, nn.Module]] | None:
+        """For runs scored as the mean over clients of each client's own model on the global test set (the
+        local-only control, `methods.base.local_only`): (client, model) for every client in turn, possibly one
+        reused object. None (default): the class-incremental regime scores the global model."""
         return None
 
     def ablations(self) -> dict[str, nn.Module]:

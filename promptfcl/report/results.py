@@ -74,11 +74,12 @@ SCORED_MODEL = {  # metrics.json `scored_model` of task-aware per-(client, task)
     "global": "the global model",
     "client": "each client's own aggregated model",
     "task": "each (client, task)'s own model",
+    "clients": "each client's own model (mean over clients)",
 }
 
 
 def scored_model_label(metrics: dict[str, Any]) -> str | None:
-    """What a task-aware per-(client, task) run scored, in words (None for other regimes)."""
+    """What a task-aware per-(client, task) run or a local-only control scored, in words (None otherwise)."""
     kind = metrics.get("scored_model")
     return SCORED_MODEL.get(kind, str(kind)) if kind else None
 
@@ -93,7 +94,8 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     extra = [(label, _fmt(s.get(key))) for key, label in SUMMARY_ROWS if key in s]
     bound = [("upper bound", str(metrics["upper_bound"]))] if metrics.get("upper_bound") else []
     scored = scored_model_label(metrics)
-    bound += [("scored on", f"{scored}, per (client, task)")] if scored else []
+    per = "" if metrics.get("scored_model") == "clients" else ", per (client, task)"
+    bound += [("scored on", f"{scored}{per}")] if scored else []
     domains = metrics.get("client_domains")  # per-client image domains (scenario.domains), in client order
     bound += [("client image domains", " / ".join(domains))] if domains else []
     return (

@@ -7,6 +7,7 @@ server sent), `reply` (statistics beside the parameters) or `aggregate` / `run_r
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import ClassVar, Literal
 
 import torch
@@ -31,6 +32,7 @@ from promptfcl.federation.protocol import (
     handles,
 )
 from promptfcl.federation.validation import ReplySchema, TensorSpec
+from promptfcl.methods.base.local_only import LocalModels
 from promptfcl.prompts.pools import PromptPool
 from promptfcl.seeding import seed_everything, torch_generator
 from promptfcl.training.local import (
@@ -74,6 +76,12 @@ class FedAvgParams(LocalTrainingParams):
         "owners",
         description="personalized scenarios: each head row averaged over the clients whose current task holds its "
         "class (owners) or over every client (uniform: FedMGP's official fed_avg_head)",
+    )
+    local_only: bool = Field(
+        False,
+        description="control, not a paper row: each client trains only its own model from round to round, nothing "
+        "is averaged, and the run is scored as the mean over clients of each client's model (methods that run the "
+        "plain FedAvg round only)",
     )
 
 
@@ -278,6 +286,10 @@ class FedAvgServer(RoundServer):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._running: RunningMean | None = None  # this round's running mean of folded replies
+        self.local: LocalModels | None = None  # `local_only`: each client's own model, nothing averaged
+        if self.params.local_only:
+            LocalModels.check_round(type(self), FedAvgServer)
+            self.local = LocalModels(self.model.get_state(), self.env.num_clients)
 
     def run_round(self, grid: Grid, info: RoundInfo) -> dict[str, float]:
         self._running = RunningMean() if self.folds_replies() else None
@@ -305,6 +317,7 @@ class FedAvgServer(RoundServer):
             and not self.owns_head_rows()
             and type(self).aggregate is FedAvgServer.aggregate
             and not self.needs_client_models
+            and self.local is None
         )
 
     def owns_head_rows(self) -> bool:
@@ -360,8 +373,17 @@ class FedAvgServer(RoundServer):
         """All-or-none groups of tensors a train reply may carry (e.g. class statistics when it has data)."""
         return []
 
+    def configure(self, info: RoundInfo) -> dict[int, Message]:
+        """The global state for every participant or, `local_only`, each participant's own model."""
+        if self.local is None:
+            return super().configure(info)
+        return {c: Message(self.local.state_of(c), kind="train") for c in info.participants}
+
     def aggregate(self, replies: dict[int, Message]) -> dict[str, float] | None:
         """Update the global model from the round's usable replies; may return metrics."""
+        if self.local is not None:
+            self.local.keep(replies)
+            return None
         weights = None
         if self.params.weighting == "samples":
             weights = [r.scalars["num_samples"] for r in replies.values()]
@@ -376,6 +398,25 @@ class FedAvgServer(RoundServer):
         if self.owns_head_rows():
             mean.update(self.owned_head(previous, replies, weights))  # each head row from the clients that train it
         self.model.set_state(mean)
+
+    def personal_models(self) -> Iterator[tuple[int, torch.nn.Module]] | None:
+        """`local_only`: every client's own model in turn (one reused object); else None (the global model)."""
+        return None if self.local is None else self.local.models(self.eval_model())
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        return super().trained_tensors() if self.local is None else self.local.tensors()
+
+    def state(self) -> Record:
+        record = super().state()
+        if self.local is not None:
+            record.tensors.update(self.local.tensors())
+        return record
+
+    def load_state(self, state: Record) -> None:
+        if self.local is not None:
+            self.local.load(state.tensors)
+            state = Record({k: v for k, v in state.tensors.items() if not LocalModels.owns(k)}, state.scalars)
+        super().load_state(state)
 
     def owned_rows(self, client: int) -> list[int]:
         """The head rows `client` trains this round (`MethodEnv.trained_logits`)."""
