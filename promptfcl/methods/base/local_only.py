@@ -67,9 +67,12 @@ class LocalModels:
         return len(self.clients)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every client's state (the initial one for clients that never trained), under `local/<client>/<name>`."""
+        """Copies of every client's state (the initial one for clients that never trained), under
+        `local/<client>/<name>`: copies, since a checkpoint may not hold one tensor under two names."""
         return {
-            f"{PREFIX}{c}/{k}": v for c in range(self.num_clients) for k, v in self.clients.get(c, self.initial).items()
+            f"{PREFIX}{c}/{k}": v.clone()
+            for c in range(self.num_clients)
+            for k, v in self.clients.get(c, self.initial).items()
         }
 
     @staticmethod
