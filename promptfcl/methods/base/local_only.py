@@ -6,7 +6,9 @@ resumes from it the next time it takes part; nothing is averaged. The server kee
 that the experimenter can test it: in a deployment of this control nothing would leave the client (the simulation
 still moves each client's own state to and from it, so its communication log is not a real cost). The run is
 scored as the mean over clients of each client's model on the global test set (`ServerProgram.personal_models`,
-read by the class-incremental regime); a client that never took part is scored with the initial model.
+read by the class-incremental regime); a client that never took part is scored with the initial model. The
+prompt effect of the validity gate is counted over every client's model on the same test images: its McNemar test
+treats the clients' paired predictions as independent, so its p-value is optimistic for this control.
 
 It answers "does federating help at all?" beside a federated method's row. Only methods that run the plain
 FedAvg round (no hook of the round overridden) can be run this way; the others are refused at start, since their
