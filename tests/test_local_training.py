@@ -31,3 +31,24 @@ def test_coda_cosine_scales_each_param_group_from_its_own_lr() -> None:
                       lambda m, x, y, mk: m(x).sum() + m.a.sum() + m.b.sum(), opt)  # fmt: skip
     expected = [(0.01 * coda_cosine_factor(e, 3), 0.1 * coda_cosine_factor(e, 3)) for e in range(3)]
     assert torch.allclose(torch.tensor(seen, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_scale_free_loss_ignores_the_logit_scale_but_not_the_label_prior() -> None:
+    """Correctly ranked logits at a tiny scale: CE near ln K as given, near 0 at the best scale; logits that ignore
+    the input cannot go below the labels' entropy at any scale; scale 1 is on the grid."""
+    import math
+
+    import torch.nn.functional as F
+
+    from promptfcl.training.local import prior_loss, scale_free_loss
+
+    y = torch.tensor([0, 1, 2, 3] * 10)
+    ranked = 0.05 * F.one_hot(y, 4).double()  # the true class ahead by 0.05 only
+    assert float(F.cross_entropy(ranked, y)) > math.log(4) - 0.05
+    fitted, scale = scale_free_loss(ranked, y)
+    assert fitted < 0.01 and scale > 100
+    skewed = torch.tensor([0] * 30 + [1] * 6 + [2] * 4)
+    constant = torch.tensor([[2.0, 0.3, -0.1, -5.0]]).expand(len(skewed), 4)  # the same prediction for every image
+    assert scale_free_loss(constant, skewed)[0] >= prior_loss(skewed) - 1e-9
+    noisy = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    assert scale_free_loss(noisy, y)[0] <= float(F.cross_entropy(noisy.double(), y)) + 1e-12

@@ -164,6 +164,21 @@ def prior_loss(targets: torch.Tensor) -> float:
     return float(-(freq * freq.log()).sum())
 
 
+def scale_free_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """(min over one positive scale s of CE(s · logits, targets), that s), s on a log grid from 1/8 to 4096 that holds
+    1: the fit of logits whose scale a method fixes by construction (PILoRA's −d/T), comparable with `prior_loss` —
+    a predictor that ignores its input cannot go below the entropy of the labels at any scale, so the comparison
+    keeps its meaning while the scale drops out. Rows of -inf (masked logits) stay masked."""
+    if len(targets) == 0:
+        return 0.0, 1.0
+    logits, targets = logits.detach().double(), targets.long()
+    best = (math.inf, 1.0)
+    for k in range(-24, 97):
+        scale = 2.0 ** (k / 8)
+        best = min(best, (float(F.cross_entropy(logits * scale, targets)), scale))
+    return best
+
+
 def chance_loss(mask: torch.Tensor) -> float:
     """ln K, K the logits `mask` lets compete: the cross-entropy of a uniform guess."""
     return math.log(max(int(mask.sum()), 1))
