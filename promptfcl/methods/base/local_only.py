@@ -63,11 +63,6 @@ class LocalModels:
             model.set_state(self.state_of(client))
             yield client, model
 
-    @property
-    def trained(self) -> int:
-        """How many clients have trained at least once."""
-        return len(self.clients)
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """Copies of every client's state (the initial one for clients that never trained), under
         `local/<client>/<name>`: copies, since a checkpoint may not hold one tensor under two names."""
