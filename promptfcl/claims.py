@@ -55,8 +55,11 @@ class Control(StrictModel):
     cell: str
     metric: str | None = Field(None, description="its summary key (default: the claim's metric)")
     label: str | None = None
-    role: Literal["head_only"] | None = Field(
-        None, description="head_only: the worse cell's own head-only control, which the worse cell must beat"
+    role: Literal["head_only", "local_only"] | None = Field(
+        None,
+        description="head_only: the worse cell's own head-only control, which the worse cell must beat; "
+        "local_only: a local-only control (`method.local_only`), whose prompts are expected to hurt on the "
+        "global test (`LOCAL_ONLY_EXPECTED`)",
     )
 
 
@@ -222,6 +225,31 @@ def _per_seed(row: dict[str, Any], metric: str) -> dict[int, float]:
     return {int(s): v[metric] for s, v in (row.get("per_seed") or {}).items() if v.get(metric) is not None}
 
 
+def is_local_only_expectation(check: str) -> bool:
+    """Whether a failed check is what a local-only control is expected to fail (`LOCAL_ONLY_EXPECTED`)."""
+    return check == "prompt_benefit" or check.endswith("_mechanism")
+
+
+LOCAL_ONLY_EXPECTED = (
+    "a local-only control (role local_only) counts as valid when it learned (every other check passes) even where "
+    "its prompts hurt on the global test set (prompt_benefit, *_mechanism): each client's prompts fit its own few "
+    "classes, and that cost is what the control measures"
+)
+
+
+def _local_only_failures(
+    claim: Claim, cell_dir: Path, failed: dict[int, list[str]], seeds: list[int]
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+    """(failures that count, expected ones) of a local-only control; its runs must be local-only runs."""
+    for seed in seeds:
+        cfg = read_yaml(cell_dir / f"seed{seed}" / "config.yaml")
+        if not (cfg.get("method") or {}).get("local_only"):
+            raise ConfigError(f"claim {claim.id}: {cell_dir.name} seed {seed} is not a local-only run "
+                              "(method.local_only); drop `role: local_only` from its control")  # fmt: skip
+    count = {s: f for s, f in failed.items() if not all(is_local_only_expectation(c) for c in f)}
+    return count, {s: f for s, f in failed.items() if s not in count}
+
+
 def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Path) -> list[dict[str, Any]]:
     """Each control's per-seed values, failed checks and, on the claim's metric, better − control paired."""
     out = []
@@ -231,7 +259,11 @@ def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Pa
         metric = ctl.metric or claim.metric
         values = _per_seed(row, metric)
         failed = {int(s): f for s, f in (row.get("invalid") or {}).items()}
-        item = {"control": ctl, "metric": metric, "values": values, "failed": failed, "diff": None}
+        expected: dict[int, list[str]] = {}
+        if ctl.role == "local_only":
+            failed, expected = _local_only_failures(claim, where / ctl.cell, failed, sorted(values))
+        item = {"control": ctl, "metric": metric, "values": values, "failed": failed, "expected": expected,
+                "diff": None}  # fmt: skip
         if metric == claim.metric and not row.get("upper_bound"):
             valid = {s: v for s, v in values.items() if s not in failed}  # intervals on the control's valid seeds
             seeds = sorted(set(valid) & set(better))
@@ -394,7 +426,8 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         "worse; worse − better where lower is better), per seed, its mean and 95 % Student-t interval, beside the "
         f"paper's own difference (paper Δ). A verdict needs ≥ {claims.min_seeds} paired seeds that ran the same "
         "scenario from one clean code version and on which both cells pass the validity gate; a seed where either "
-        "run fails the gate is left out of the verdict, named, and put back in a sensitivity check.",
+        "run fails the gate is left out of the verdict, named, and put back in a sensitivity check. Controls: "
+        f"intervals on their valid seeds only; {LOCAL_ONLY_EXPECTED}.",
         "",
         "Statuses:",
         "",
@@ -440,6 +473,12 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")
+        for item in r.get("controls") or []:
+            if item.get("expected") and item["metric"] == c["metric"]:
+                seeds = ", ".join(str(s) for s in sorted(item["expected"]))
+                names = sorted({n for f in item["expected"].values() for n in f})
+                lines.append(f"- control `{item['control'].cell}` seeds {seeds}: {', '.join(names)} failed, as "
+                             "a local-only control's prompts may on the global test (counted valid).")  # fmt: skip
         if r.get("controls"):
             lines += ["", *_controls_table(c, r)]
         if c.get("finding"):

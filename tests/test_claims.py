@@ -238,6 +238,40 @@ def test_controls_are_shown_beside_the_pair_with_the_better_cells_paired_lead(tm
         evaluate_claim(claims.claims[0], base)
 
 
+@pytest.mark.parametrize("local_only", [True, False])
+def test_a_local_only_control_counts_seeds_whose_prompts_hurt_on_the_global_test(tmp_path, local_only) -> None:
+    """role local_only: seeds failing only prompt_benefit / *_mechanism count as valid (named on the page); a seed
+    that failed a learning check does not; a control whose runs are not local-only runs is refused."""
+    rows = [
+        {"cell": "new", "per_seed": {str(s): {"faa": v} for s, v in enumerate([5, 6, 7, 6, 5])}, "invalid": {}},
+        {"cell": "old", "per_seed": {str(s): {"faa": v} for s, v in enumerate([1, 2, 2, 1, 3])}, "invalid": {}},
+        {"cell": "local", "per_seed": {str(s): {"faa": v} for s, v in enumerate([1, 1, 2, 2, 1])},
+         "invalid": {"0": ["prompt_benefit", "prompt_mechanism"], "1": ["prompt_benefit"],
+                     "3": ["client_loss", "prompt_benefit"]}},
+    ]  # fmt: skip
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "summary.json").write_text(json.dumps({"rows": rows}))
+    for cell in ("new", "old", "local"):
+        run_dirs(tmp_path / "s", cell, range(5))
+    for seed in range(5):
+        cfg = {"method": {"name": "maple_fedavg", "local_only": local_only}}
+        (tmp_path / "s" / "local" / f"seed{seed}" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    claim = {"id": "c", "paper": "P", "study": "s", "better": "new", "worse": "old",
+             "controls": [{"study": "s", "cell": "local", "role": "local_only"}]}  # fmt: skip
+    (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [claim]}))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    if not local_only:
+        with pytest.raises(ConfigError, match="local seed 0 is not a local-only run"):
+            evaluate_claim(claims.claims[0], base)
+        return
+    (control,) = evaluate_claim(claims.claims[0], base)["controls"]
+    assert control["failed"] == {3: ["client_loss", "prompt_benefit"]}
+    assert control["diff"].seeds == [0, 1, 2, 4] and control["diff"].differences == [4, 5, 5, 4]
+    text = claims_markdown(claims, base, "claims.yaml")
+    assert "control `local` seeds 0, 1: prompt_benefit, prompt_mechanism failed" in text
+    assert "| `local` | `s` | faa | 1.40 ± 0.55 | 4/5 |" in text
+
+
 @pytest.mark.slow
 def test_study_probe_row_and_claims_from_its_summary(tmp_path) -> None:
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(tiny_raw(scenario={"num_tasks": 2, "rounds_per_task": 1})))
