@@ -5,42 +5,31 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from promptfcl.config import build_config
 from promptfcl.experiment import Experiment
-from promptfcl.runtime import Runtime
 
-from .conftest import RecordingGrid, interrupted_then_resumed, tiny_raw
+from .conftest import interrupted_then_resumed, tiny_raw
+from .test_hgp import recorded_run
 
 LOCAL = {"method": {"local_only": True}, "scenario": {"participation": {"fraction": 0.5, "mode": "per_round"}}}
 
 
-def run_recorded(raw: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any], RecordingGrid, Experiment]:
-    grids: list[RecordingGrid] = []
-
-    def factory(rt: Runtime) -> RecordingGrid:
-        grids.append(RecordingGrid(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device))
-        return grids[0]
-
-    exp = Experiment(build_config(raw), run_dir, show_progress=False, grid_factory=factory)
-    return exp.run(), grids[0], exp
-
-
 def test_each_client_resumes_from_its_own_model_and_nothing_is_averaged(tmp_path: Path) -> None:
-    metrics, grid, exp = run_recorded(tiny_raw(**LOCAL), tmp_path / "run")
+    exp, log = recorded_run(build_config(tiny_raw(**LOCAL)), tmp_path / "run")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     initial = exp.server.local.initial
     last: dict[int, dict[str, torch.Tensor]] = {}  # each client's latest upload
-    for _t, _r, sent, replies in grid.log:
+    for _t, _r, sent, replies in log:
         for client, message in sent.items():
             expected = last.get(client, initial)  # its own last model, or the initial one the first time
             assert all(torch.equal(message.tensors[k], expected[k]) for k in initial), client
         for client, reply in replies.items():
             last[client] = {k: reply.tensors[k] for k in initial}
-    assert len(last) == 3 and any(len(sent) < 3 for _t, _r, sent, _rep in grid.log)  # some rounds skip a client
+    assert len(last) == 3 and any(len(sent) < 3 for _t, _r, sent, _rep in log)  # some rounds skip a client
     a, b = last[0]["prompt.prompts"], last[1]["prompt.prompts"]
     assert not torch.equal(a, b)  # two clients' models never met
     glob = exp.server.global_model().get_state()  # the global model is never touched
@@ -51,7 +40,8 @@ def test_each_client_resumes_from_its_own_model_and_nothing_is_averaged(tmp_path
 
 
 def test_the_run_is_scored_as_the_mean_over_clients_of_each_clients_model(tmp_path: Path) -> None:
-    metrics, _grid, exp = run_recorded(tiny_raw(**LOCAL), tmp_path / "run")
+    exp, _log = recorded_run(build_config(tiny_raw(**LOCAL)), tmp_path / "run")
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     last = len(exp.evaluator.subsets) - 1
     per_client = []
     for client in range(3):

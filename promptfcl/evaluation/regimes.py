@@ -88,7 +88,8 @@ class ClassIncrementalRegime(ServerSideRegime):
     def evaluate(self, server: ServerProgram, task: int, rnd: int, last: bool, state: dict[str, Any]) -> dict:
         final = last and task == len(self.evaluator.subsets) - 1
         tally = self.prompt_effect_tally() if final else None
-        results = self.score(server, task, tally)
+        personal = server.personal_models()
+        results = self.score(server, personal, task, tally)
         entry: dict[str, Any] = {"accuracy": [r.accuracy for r in results]}
         if self.class_groups is not None:
             entry["class_groups"] = self.group_accuracy(results)
@@ -100,7 +101,7 @@ class ClassIncrementalRegime(ServerSideRegime):
                 state["class_groups"] = entry["class_groups"]
             if tally is not None:
                 state["prompt_effect"] = tally.result()
-            if server.personal_models() is not None:
+            if personal is not None:
                 state["scored_model"] = "clients"
             if final:
                 state["ablations"] = {
@@ -109,11 +110,12 @@ class ClassIncrementalRegime(ServerSideRegime):
                 }
         return entry
 
-    def score(self, server: ServerProgram, task: int, tally: PromptEffectTally | None) -> list[TaskResult]:
-        """The global model's results on tasks 0..task or, when the server scores each client's own model
-        (`ServerProgram.personal_models`), their sum over clients: every client is tested on the same images, so
-        the summed counts give the mean over clients of each client's accuracy, per task and per class."""
-        personal = server.personal_models()
+    def score(
+        self, server: ServerProgram, personal: Any, task: int, tally: PromptEffectTally | None
+    ) -> list[TaskResult]:
+        """The global model's results on tasks 0..task or, given the server's `personal_models()`, their sum over
+        clients: every client is tested on the same images, so the summed counts give the mean over clients of each
+        client's accuracy, per task and per class."""
         models = ((None, server.global_model()),) if personal is None else personal
         total: list[TaskResult] | None = None
         for _, model in models:

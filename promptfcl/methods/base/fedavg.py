@@ -408,8 +408,8 @@ class FedAvgServer(RoundServer):
 
     def state(self) -> Record:
         record = super().state()
-        if self.local is not None:
-            record.tensors.update(self.local.tensors())
+        if self.local is not None:  # copies: a checkpoint may not hold one tensor under two names
+            record.tensors.update({k: v.clone() for k, v in self.local.tensors().items()})
         return record
 
     def load_state(self, state: Record) -> None:

@@ -64,12 +64,10 @@ class LocalModels:
             yield client, model
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Copies of every client's state (the initial one for clients that never trained), under
-        `local/<client>/<name>`: copies, since a checkpoint may not hold one tensor under two names."""
+        """Every client's state (the initial one for clients that never trained), under `local/<client>/<name>`;
+        clients still at the initial model share its tensors (a checkpoint must copy them)."""
         return {
-            f"{PREFIX}{c}/{k}": v.clone()
-            for c in range(self.num_clients)
-            for k, v in self.clients.get(c, self.initial).items()
+            f"{PREFIX}{c}/{k}": v for c in range(self.num_clients) for k, v in self.clients.get(c, self.initial).items()
         }
 
     @staticmethod

@@ -234,7 +234,7 @@ class PILoRAClient(SupervisedClient):
                 total = total + p.l1_weight * model.prompt.l1()
             self.parts["dce"] += float(dce.detach())
             self.parts["dce_steps"].append(float(dce.detach()))
-            self.parts["logits"].append((logits.detach().cpu(), y.cpu()))
+            self.parts["logits"].append((logits.detach(), y))
             self.parts["ort"] += float(ort.detach())
             self.parts["steps"] += 1
             return total
