@@ -52,3 +52,26 @@ def test_scale_free_loss_ignores_the_logit_scale_but_not_the_label_prior() -> No
     assert scale_free_loss(constant, skewed)[0] >= prior_loss(skewed) - 1e-9
     noisy = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
     assert scale_free_loss(noisy, y)[0] <= float(F.cross_entropy(noisy.double(), y)) + 1e-12
+
+
+def test_own_class_loss_drops_other_clients_classes_but_keeps_the_prior_bar() -> None:
+    """Over the client's own classes only: a classifier that tells them apart but spreads mass over many foreign
+    classes fits well here (not over every column); one that ignores the image still cannot beat the labels'
+    entropy; the targets are remapped to the kept columns (a wrong remap would score the wrong class)."""
+    import torch.nn.functional as F
+
+    from promptfcl.training.local import own_class_loss, prior_loss, scale_free_loss
+
+    y = torch.tensor([3] * 30 + [7] * 10)
+    logits = -1.0 + 0.2 * torch.randn(len(y), 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logits[torch.arange(len(y)), y] = -0.9  # the true class often behind one of the 48 foreign ones
+    other = torch.where(y == 3, 7, 3)
+    logits[torch.arange(len(y)), other] = -1.5  # but always ahead of the client's other class
+    own, _ = own_class_loss(logits, y)
+    assert own < 0.5 * prior_loss(y)
+    assert scale_free_loss(logits, y)[0] > prior_loss(y)  # over every column the foreign mass swamps it
+    constant = torch.tensor([0.0] * 50).index_fill(0, torch.tensor([3]), 2.0).expand(len(y), 50)
+    assert own_class_loss(constant, y)[0] >= prior_loss(y) - 1e-9
+    assert own_class_loss(logits[:0], y[:0]) == (0.0, 1.0)
+    wrong = F.one_hot(other, 50).double()  # confident in the client's *other* class
+    assert own_class_loss(wrong, y)[0] > prior_loss(y)

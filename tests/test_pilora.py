@@ -215,9 +215,9 @@ def test_reply_last_loss_is_the_final_epochs_dce_not_the_total(tmp_path, pl_weig
         assert r.scalars["last_loss"] <= r.scalars["last_dce"] + 1e-9  # the best scale fits at least as well as T
 
 
-def test_reply_last_loss_is_the_final_epochs_dce_at_its_best_scale(tmp_path, monkeypatch) -> None:
-    """`last_loss` (the gate's client-loss evidence) is `scale_free_loss` of the final epoch's DCE logits and labels,
-    exactly those: every final-epoch step's, no earlier one."""
+def test_reply_last_loss_is_the_final_epochs_own_class_dce_at_its_best_scale(tmp_path, monkeypatch) -> None:
+    """`last_loss` (the gate's client-loss evidence) is `own_class_loss` of the final epoch's DCE logits and labels,
+    exactly those: every final-epoch step's, no earlier one; `last_loss_seen` is `scale_free_loss` of them."""
     import promptfcl.methods.pilora as pilora
 
     from .test_hgp import recorded_run
@@ -228,11 +228,13 @@ def test_reply_last_loss_is_the_final_epochs_dce_at_its_best_scale(tmp_path, mon
         seen.append((logits, targets))
         return -1.0, 7.0
 
-    monkeypatch.setattr(pilora, "scale_free_loss", spy)
+    monkeypatch.setattr(pilora, "own_class_loss", spy)
+    monkeypatch.setattr(pilora, "scale_free_loss", lambda lg, t: (-2.0, 1.0))
     method = {"name": "pilora", "layers": [0], "local_epochs": 2, "batch_size": 8, "lr": 1e-3, "proto_lr": 0.05}
     _exp, log = recorded_run(tiny_config(method=method), tmp_path)
     replies = [r for _t, _r, _s, rs in log for r in rs.values() if r.scalars["num_samples"] > 0]
     assert replies and all(r.scalars["last_loss"] == -1.0 and r.scalars["last_scale"] == 7.0 for r in replies)
+    assert all(r.scalars["last_loss_seen"] == -2.0 for r in replies)
     # each client's final epoch: every training image once
     assert sorted(len(t) for _l, t in seen) == sorted(int(r.scalars["num_samples"]) for r in replies)
     dce = [float(torch.nn.functional.cross_entropy(lg, t)) for lg, t in seen]

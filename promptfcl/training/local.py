@@ -179,6 +179,17 @@ def scale_free_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float,
     return best
 
 
+def own_class_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """`scale_free_loss` over only the columns of the classes present in `targets` (the client's own classes): the fit
+    of a classifier without a per-class bias (PILoRA's nearest prototype), whose probability mass cannot be moved
+    onto a client's classes except through its input. Still held to `prior_loss`: a predictor that ignores its
+    input cannot go below the labels' entropy over these columns either, at any scale."""
+    if len(targets) == 0:
+        return 0.0, 1.0
+    own = torch.unique(targets.long())
+    return scale_free_loss(logits[:, own.to(logits.device)], torch.searchsorted(own, targets.long()))
+
+
 def chance_loss(mask: torch.Tensor) -> float:
     """ln K, K the logits `mask` lets compete: the cross-entropy of a uniform guess."""
     return math.log(max(int(mask.sum()), 1))
