@@ -63,6 +63,7 @@ its prototypes and the class means (`stats/`, with counts) — nothing of future
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Literal
 
 import torch
@@ -207,7 +208,7 @@ class PILoRAClient(SupervisedClient):
             # every seen class, `last_dce` the same epoch's DCE at T as trained
             tail = -max(steps // self.params.local_epochs, 1)
             last = self.parts["dce_steps"][tail:]
-            logits, targets = (torch.cat(part) for part in zip(*self.parts["logits"][tail:], strict=True))
+            logits, targets = (torch.cat(part) for part in zip(*list(self.parts["logits"])[tail:], strict=True))
             scalars["last_dce"] = sum(last) / len(last)
             scalars["last_loss"], scalars["last_scale"] = own_class_loss(logits, targets)
             scalars["last_loss_seen"] = scale_free_loss(logits, targets)[0]
@@ -223,7 +224,10 @@ class PILoRAClient(SupervisedClient):
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
-        self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": [], "logits": []}
+        # only the final epoch's logits are read (no context: a direct call, every step kept)
+        per_epoch = math.ceil(len(ctx.train_data) / p.batch_size) if ctx is not None else None
+        logits: deque = deque(maxlen=per_epoch or None)
+        self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": [], "logits": logits}
         self.batch_means = RunningClassMeans(self.env.label_space.num_logits)  # class_means: train_batches
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
