@@ -58,8 +58,8 @@ class Control(StrictModel):
     role: Literal["head_only", "local_only"] | None = Field(
         None,
         description="head_only: the worse cell's own head-only control, which the worse cell must beat; "
-        "local_only: a local-only control (`method.local_only`), whose prompts are expected to hurt on the "
-        "global test (`LOCAL_ONLY_EXPECTED`)",
+        "local_only: a local-only control (`method.local_only`), whose prompts may hurt on the global test; "
+        "either counts seeds failing only mechanism checks as valid (`ROLE_EXPECTED`)",
     )
 
 
@@ -225,28 +225,36 @@ def _per_seed(row: dict[str, Any], metric: str) -> dict[int, float]:
     return {int(s): v[metric] for s, v in (row.get("per_seed") or {}).items() if v.get(metric) is not None}
 
 
-def is_local_only_expectation(check: str) -> bool:
-    """Whether a failed check is what a local-only control is expected to fail (`LOCAL_ONLY_EXPECTED`)."""
+def is_role_expectation(check: str) -> bool:
+    """Whether a failed check is one a head-only or local-only control is expected to fail (`ROLE_EXPECTED`)."""
     return check == "prompt_benefit" or check.endswith("_mechanism")
 
 
-LOCAL_ONLY_EXPECTED = (
-    "a local-only control (role local_only) counts as valid when it learned (every other check passes) even where "
-    "its prompts hurt on the global test set (prompt_benefit, *_mechanism): each client's prompts fit its own few "
-    "classes, and that cost is what the control measures"
+ROLE_EXPECTED = (
+    "a head-only control (role head_only, a run without prompts) and a local-only control (role local_only) count "
+    "as valid when they learned (every other check passes) even where their mechanism checks fail "
+    "(prompt_benefit, *_mechanism): the head-only run has no prompts by construction, and the local-only run's "
+    "prompts fit each client's own few classes and may hurt on the global test set, which is what it measures"
 )
 
 
-def _local_only_failures(
-    claim: Claim, cell_dir: Path, failed: dict[int, list[str]], seeds: list[int]
+def _role_failures(
+    claim: Claim, ctl: Control, cell_dir: Path, failed: dict[int, list[str]], seeds: list[int]
 ) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
-    """(failures that count, expected ones) of a local-only control; its runs must be local-only runs."""
+    """(failures that count, expected ones) of a head-only or local-only control, whose runs must be what the role
+    says: local-only runs (`method.local_only`), or runs whose model has no prompts (`prompt_effect` not
+    applicable)."""
     for seed in seeds:
-        cfg = read_yaml(cell_dir / f"seed{seed}" / "config.yaml")
-        if not (cfg.get("method") or {}).get("local_only"):
+        run = cell_dir / f"seed{seed}"
+        if ctl.role == "local_only" and not (read_yaml(run / "config.yaml").get("method") or {}).get("local_only"):
             raise ConfigError(f"claim {claim.id}: {cell_dir.name} seed {seed} is not a local-only run "
                               "(method.local_only); drop `role: local_only` from its control")  # fmt: skip
-    count = {s: f for s, f in failed.items() if not all(is_local_only_expectation(c) for c in f)}
+        if ctl.role == "head_only" and seed in failed:
+            effect = (json.loads((run / "metrics.json").read_text()).get("prompt_effect") or {})
+            if effect.get("applicable", False):
+                raise ConfigError(f"claim {claim.id}: {cell_dir.name} seed {seed} has prompts (its prompt effect "
+                                  "was measured); a head-only control runs without them")  # fmt: skip
+    count = {s: f for s, f in failed.items() if not all(is_role_expectation(c) for c in f)}
     return count, {s: f for s, f in failed.items() if s not in count}
 
 
@@ -260,8 +268,8 @@ def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Pa
         values = _per_seed(row, metric)
         failed = {int(s): f for s, f in (row.get("invalid") or {}).items()}
         expected: dict[int, list[str]] = {}
-        if ctl.role == "local_only":
-            failed, expected = _local_only_failures(claim, where / ctl.cell, failed, sorted(values))
+        if ctl.role is not None:
+            failed, expected = _role_failures(claim, ctl, where / ctl.cell, failed, sorted(values))
         item = {"control": ctl, "metric": metric, "values": values, "failed": failed, "expected": expected,
                 "diff": None}  # fmt: skip
         if metric == claim.metric and not row.get("upper_bound"):
@@ -365,12 +373,16 @@ def _reproduced(claim: Claim, diff: PairedDifference, out: dict[str, Any]) -> tu
         worse = {s: v for s, v in out["values"][claim.worse].items() if s not in out["failed"].get(claim.worse, {})}
         sign = -1.0 if claim.lower_is_better else 1.0
         valid = {s: v for s, v in item["values"].items() if s not in item["failed"]}
-        with contextlib.suppress(ValueError):
+        try:
             lead = paired_difference({s: sign * v for s, v in worse.items()}, {s: sign * v for s, v in valid.items()})
-            out["worse_over_head_only"] = lead
-            if lead.low <= 0:
-                return "inconclusive", (f"the ordering holds but {claim.worse} does not beat its head-only control "
-                                        f"({_fmt_diff(lead)}): the better cell beats an inert peer")  # fmt: skip
+        except ValueError:  # fewer than two seeds valid in both: the floor is not measured, so nothing is shown
+            return "inconclusive", (f"the ordering holds but {claim.worse}'s head-only control ({ctl.cell}) has "
+                                    f"fewer than two seeds valid beside {claim.worse}'s, so it is not shown to "
+                                    "beat it")  # fmt: skip
+        out["worse_over_head_only"] = lead
+        if lead.low <= 0:
+            return "inconclusive", (f"the ordering holds but {claim.worse} does not beat its head-only control "
+                                    f"({_fmt_diff(lead)}): the better cell beats an inert peer")  # fmt: skip
     if claim.paper_delta is None:
         return "reproduced", None
     if diff.low > claim.paper_delta:
@@ -427,7 +439,7 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         f"paper's own difference (paper Δ). A verdict needs ≥ {claims.min_seeds} paired seeds that ran the same "
         "scenario from one clean code version and on which both cells pass the validity gate; a seed where either "
         "run fails the gate is left out of the verdict, named, and put back in a sensitivity check. Controls: "
-        f"intervals on their valid seeds only; {LOCAL_ONLY_EXPECTED}.",
+        f"intervals on their valid seeds only; {ROLE_EXPECTED}.",
         "",
         "Statuses:",
         "",

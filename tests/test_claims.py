@@ -162,6 +162,42 @@ def test_a_claim_is_not_reproduced_on_an_idle_mechanism_or_an_inert_peer(tmp_pat
     assert result["status"] == "inconclusive" and "does not beat its head-only control" in result["reason"]
 
 
+def test_a_head_only_control_counts_prompt_free_seeds_and_must_have_valid_ones(tmp_path) -> None:
+    """role head_only: a prompt-free seed failing only a mechanism check counts as valid; a learning failure does
+    not; a failing seed whose model has prompts is refused; with fewer than two valid seeds the floor is not shown,
+    so the claim is not reproduced."""
+    _summary(tmp_path, [5, 6, 7, 6, 5], [2, 3, 3, 2, 4])
+    run_dirs(tmp_path / "study", "old", range(5), helps=(30, 5))
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+    invalid = {"0": ["prompt_mechanism"], "1": ["prompt_mechanism"], "2": ["client_loss", "prompt_mechanism"]}
+    rows.append({"cell": "head", "per_seed": {str(s): {"faa": v} for s, v in enumerate([1, 2, 2, 1, 2])},
+                 "invalid": invalid})  # fmt: skip
+    (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": rows}))
+    run_dirs(tmp_path / "study", "head", range(5))
+
+    def prompts(seeds, applicable: bool) -> None:
+        for seed in seeds:
+            metrics = {"validity": {"checks": []}, "prompt_effect": {"applicable": applicable}}
+            (tmp_path / "study" / "head" / f"seed{seed}" / "metrics.json").write_text(json.dumps(metrics))
+
+    prompts(range(5), False)
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    claims.claims[0].controls = [Control(study="study", cell="head", role="head_only")]
+    result = evaluate_claim(claims.claims[0], base)
+    (control,) = result["controls"]
+    assert control["failed"] == {2: ["client_loss", "prompt_mechanism"]}
+    assert control["expected"] == {0: ["prompt_mechanism"], 1: ["prompt_mechanism"]}
+    assert result["status"].startswith("reproduced") and result["worse_over_head_only"].seeds == [0, 1, 3, 4]
+    prompts([1], True)
+    with pytest.raises(ConfigError, match="head seed 1 has prompts"):
+        evaluate_claim(claims.claims[0], base)
+    prompts([1], False)
+    rows[-1]["invalid"] = {str(s): ["client_loss"] for s in range(4)}
+    (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": rows}))
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "inconclusive" and "fewer than two seeds valid" in result["reason"]
+
+
 def test_a_claim_that_cannot_be_evidenced_here_is_invalid_with_its_reason(tmp_path) -> None:
     (tmp_path / "claims.yaml").write_text(
         yaml.safe_dump(
