@@ -129,9 +129,10 @@ def _study(args: argparse.Namespace) -> int:
         results = execute(runs, args.jobs, done)
     except KeyboardInterrupt:
         finished = sum(r.finished for r in runs)
+        summarize_study(study, out)  # the summary always lists the finished runs, as the run directories hold them
         err_console.print(
-            f"study interrupted: {finished} of {len(runs)} runs finished, the stopped ones checkpointed; run the "
-            "same command again to resume (finished runs are kept)"
+            f"study interrupted: {finished} of {len(runs)} runs finished (summary.md lists them), the stopped ones "
+            "checkpointed; run the same command again to resume (finished runs are kept)"
         )
         return 130
     console.print(summarize_study(study, out))

@@ -169,6 +169,8 @@ def test_interrupted_study_starts_nothing_new_and_resumes_without_redoing(tmp_pa
     assert "study interrupted: 1 of 3 runs finished" in " ".join(output.split())
     assert not (seed1 / "metrics.json").is_file() and (seed1 / "checkpoint.safetensors").is_file()
     assert not (out / "fedavg_prompt" / "seed2").exists()  # never started
+    summary = json.loads((out / "summary.json").read_text())  # written on the way out: the finished run only
+    assert [(r["cell"], r["seeds"]) for r in summary["rows"]] == [("fedavg_prompt", 1)]
     finished_at = (seed0 / "metrics.json").stat().st_mtime_ns
     assert main(["study", str(path), "--out", str(out), "--jobs", "1"]) == 0
     assert (seed0 / "metrics.json").stat().st_mtime_ns == finished_at  # not redone
