@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -235,6 +236,9 @@ def test_reply_last_loss_is_the_final_epochs_own_class_dce_at_its_best_scale(tmp
     replies = [r for _t, _r, _s, rs in log for r in rs.values() if r.scalars["num_samples"] > 0]
     assert replies and all(r.scalars["last_loss"] == -1.0 and r.scalars["last_scale"] == 7.0 for r in replies)
     assert all(r.scalars["last_loss_seen"] == -2.0 for r in replies)
+    logged = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    trained = [r for r in logged if r.get("last_loss") is not None]
+    assert trained and all(r["last_loss"] == -1.0 and r["last_loss_seen"] == -2.0 for r in trained)  # in the log
     # each client's final epoch: every training image once
     assert sorted(len(t) for _l, t in seen) == sorted(int(r.scalars["num_samples"]) for r in replies)
     dce = [float(torch.nn.functional.cross_entropy(lg, t)) for lg, t in seen]

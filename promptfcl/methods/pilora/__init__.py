@@ -274,10 +274,12 @@ class PILoRAServer(RoundServer):
 
     def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
         metrics = {}
-        for part in ("dce", "ort"):  # the loss terms (the total also holds the L1 term)
+        # the loss terms (the total also holds the L1 term) and the client-loss evidence beside `last_loss`
+        logged = {"dce": "loss_dce", "ort": "loss_ort", "last_dce": "last_dce", "last_loss_seen": "last_loss_seen"}
+        for part, name in logged.items():
             values = [r.scalars[part] for r in replies.values() if isinstance(r.scalars.get(part), float)]
             if values:
-                metrics[f"loss_{part}"] = sum(values) / len(values)
+                metrics[name] = sum(values) / len(values)
         return {**metrics, **self.aggregate_task(replies, self.round_info.stage)}
 
     def aggregate_task(self, replies: dict[int, Message], task: int) -> dict[str, float]:
