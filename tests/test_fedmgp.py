@@ -21,6 +21,7 @@ from promptfcl.methods.fedmgp.model import distill_pool, distillation_loss, key_
 from promptfcl.runtime import Runtime
 
 from .conftest import RecordingGrid, interrupted_then_resumed, tiny_raw
+from .test_hgp import recorded_run
 
 FEDMGP = {
     "name": "fedmgp", "pool_size": 4, "length": 2, "top_k": 2, "local_layers": [1], "local_length": 2,
@@ -44,14 +45,10 @@ def personal_raw(method: dict[str, Any], mode: str = "asynchronous", rounds: int
 
 
 def run_recorded(raw: dict[str, Any], run_dir: Path) -> tuple[dict[str, Any], RecordingGrid]:
+    """Run `raw` in process: its metrics.json and the recording grid (`log`: every (task, round, sent, replies))."""
     grids: list[RecordingGrid] = []
-
-    def factory(rt: Runtime) -> RecordingGrid:
-        grids.append(RecordingGrid(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device))
-        return grids[0]
-
-    metrics = Experiment(build_config(raw), run_dir, show_progress=False, grid_factory=factory).run()
-    return metrics, grids[0]
+    recorded_run(build_config(raw), run_dir, grids)
+    return json.loads((run_dir / "metrics.json").read_text()), grids[0]
 
 
 def test_fedmgp_end_to_end_uploads_only_the_global_pool_and_broadcasts_one_fused_pool(tmp_path: Path) -> None:

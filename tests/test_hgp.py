@@ -34,9 +34,10 @@ def method(name: str, **kw) -> dict:
     return {"name": name, "length": 4, "layers": [0, 1], "local_epochs": 2, "batch_size": 16, "lr": 0.01, **kw}
 
 
-def recorded_run(cfg, run_dir) -> tuple[Experiment, list]:
-    """Run `cfg` in process and return the experiment and the log of every (task, round, sent, replies)."""
-    grids: list[RecordingGrid] = []
+def recorded_run(cfg, run_dir, grids: list[RecordingGrid] | None = None) -> tuple[Experiment, list]:
+    """Run `cfg` in process and return the experiment and the log of every (task, round, sent, replies); the
+    recording grid is appended to `grids` when one is given."""
+    grids = [] if grids is None else grids
 
     def factory(rt: Runtime) -> RecordingGrid:
         grids.append(RecordingGrid(rt.programs()[1], rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device))
