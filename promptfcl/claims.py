@@ -250,7 +250,7 @@ def _role_failures(
             raise ConfigError(f"claim {claim.id}: {cell_dir.name} seed {seed} is not a local-only run "
                               "(method.local_only); drop `role: local_only` from its control")  # fmt: skip
         if ctl.role == "head_only" and seed in failed:
-            effect = (json.loads((run / "metrics.json").read_text()).get("prompt_effect") or {})
+            effect = json.loads((run / "metrics.json").read_text()).get("prompt_effect") or {}
             if effect.get("applicable", False):
                 raise ConfigError(f"claim {claim.id}: {cell_dir.name} seed {seed} has prompts (its prompt effect "
                                   "was measured); a head-only control runs without them")  # fmt: skip

@@ -206,9 +206,8 @@ class PILoRAClient(SupervisedClient):
             # over the client's own classes at the logit scale that fits it best (the total adds the prototype
             # distance, orthogonality and L1 terms, which have no such scale); `last_loss_seen` is the same over
             # every seen class, `last_dce` the same epoch's DCE at T as trained
-            tail = -max(steps // self.params.local_epochs, 1)
-            last = self.parts["dce_steps"][tail:]
-            logits, targets = (torch.cat(part) for part in zip(*list(self.parts["logits"])[tail:], strict=True))
+            last, logits, targets = zip(*self.parts["final_epoch"], strict=True)
+            logits, targets = torch.cat(logits), torch.cat(targets)
             scalars["last_dce"] = sum(last) / len(last)
             scalars["last_loss"], scalars["last_scale"] = own_class_loss(logits, targets)
             scalars["last_loss_seen"] = scale_free_loss(logits, targets)[0]
@@ -224,10 +223,10 @@ class PILoRAClient(SupervisedClient):
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         p = self.params
-        # only the final epoch's logits are read (no context: a direct call, every step kept)
+        # each step's (DCE, logits, labels), of the final epoch only (no context: a direct call, every step kept)
         per_epoch = math.ceil(len(ctx.train_data) / p.batch_size) if ctx is not None else None
-        logits: deque = deque(maxlen=per_epoch or None)
-        self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "dce_steps": [], "logits": logits}
+        final_epoch: deque = deque(maxlen=per_epoch or None)
+        self.parts: dict[str, Any] = {"dce": 0.0, "ort": 0.0, "steps": 0, "final_epoch": final_epoch}
         self.batch_means = RunningClassMeans(self.env.label_space.num_logits)  # class_means: train_batches
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -243,8 +242,7 @@ class PILoRAClient(SupervisedClient):
             if p.l1_weight:
                 total = total + p.l1_weight * model.prompt.l1()
             self.parts["dce"] += float(dce.detach())
-            self.parts["dce_steps"].append(float(dce.detach()))
-            self.parts["logits"].append((logits.detach(), y))
+            self.parts["final_epoch"].append((float(dce.detach()), logits.detach(), y))
             self.parts["ort"] += float(ort.detach())
             self.parts["steps"] += 1
             return total
