@@ -28,7 +28,8 @@ must have run the identical `scenario.json` (a missing one is an error), and the
 clean code version (`environment.json` → the commit's git trees of `promptfcl/` and `configs/`, so a commit that
 only adds a seed to a study does not split them), unless `provenance_note` says why the versions that differ are
 safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
-`*_mechanism` checks, McNemar pooled over the paired seeds, `helps`) and the worse cell beats its own head-only control
+`*_mechanism` checks, McNemar pooled over the paired seeds, `helps`; or a run-level ablation control's paired
+difference, `RUN_LEVEL_RULE`) and the worse cell beats its own head-only control
 (`controls: [{role: head_only, …}]`): otherwise the better cell would beat an inert peer. Values are read from
 the committed study summaries (`summary.json`) and run directories, never typed in.
 """
@@ -60,6 +61,14 @@ class Control(StrictModel):
         description="head_only: the worse cell's own head-only control, which the worse cell must beat; "
         "local_only: a local-only control (`method.local_only`), whose prompts may hurt on the global test; "
         "either counts seeds failing only mechanism checks as valid (`ROLE_EXPECTED`)",
+    )
+    ablates: str | None = Field(
+        None,
+        description="`<cell>:<check>`: this control is the claim's cell `<cell>` run with the mechanism of its "
+        "`<check>` (e.g. `hgp:rebalancing_mechanism`) switched off for the whole run, everything else equal; the "
+        "paired difference cell − control on both cells' valid seeds then decides that mechanism's verdict "
+        "(`RUN_LEVEL_RULE`); its seeds failing only mechanism checks count as valid, as for a role",
+        pattern=r"^[^:]+:[A-Za-z0-9_]+_mechanism$",
     )
 
 
@@ -237,6 +246,15 @@ ROLE_EXPECTED = (
     "prompts fit each client's own few classes and may hurt on the global test set, which is what it measures"
 )
 
+RUN_LEVEL_RULE = (
+    "a mechanism's verdict is McNemar's test on the predictions its in-run ablation changes (the final model with "
+    "and without it), unless a control ablates it for the whole run (`ablates: <cell>:<check>`, the same recipe "
+    "with the mechanism off from the first round): then the paired run-level difference decides - helps when its "
+    "95 % interval lies above 0, hurts when below, else neutral - because a mechanism that feeds back into "
+    "training (a server step that every later round starts from) is understated by removing it from the final "
+    "model only; with fewer than two paired valid seeds the in-run verdict stands"
+)
+
 
 def _role_failures(
     claim: Claim, ctl: Control, cell_dir: Path, failed: dict[int, list[str]], seeds: list[int]
@@ -270,6 +288,9 @@ def _controls(claim: Claim, base: Path, better: dict[int, float], better_dir: Pa
         expected: dict[int, list[str]] = {}
         if ctl.role is not None:
             failed, expected = _role_failures(claim, ctl, where / ctl.cell, failed, sorted(values))
+        elif ctl.ablates is not None:  # the ablated run may fail the very mechanism check it switches off
+            expected = {s: f for s, f in failed.items() if all(is_role_expectation(c) for c in f)}
+            failed = {s: f for s, f in failed.items() if s not in expected}
         item = {"control": ctl, "metric": metric, "values": values, "failed": failed, "expected": expected,
                 "diff": None}  # fmt: skip
         if metric == claim.metric and not row.get("upper_bound"):
@@ -310,6 +331,8 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     out["provenance"] = provenance([d for ds in dirs.values() for d in ds], base)
     out["mechanisms"] = {c: mechanism_verdicts(ds) for c, ds in dirs.items()}
     out["controls"] = _controls(claim, base, values[claim.better], studies[claim.better] / claim.better)
+    valid_values = {c: {s: v for s, v in values[c].items() if s not in failed[c]} for c in values}
+    _run_level_verdicts(claim, out, valid_values, {c: d / c for c, d in studies.items()}, base)
     gate = "; ".join(
         f"{c} seed {s} failed {', '.join(f)}" for c, seeds_failed in failed.items() for s, f in seeds_failed.items()
     )
@@ -354,12 +377,49 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     return out
 
 
+def _run_level_verdicts(
+    claim: Claim, out: dict[str, Any], valid: dict[str, dict[int, float]], cell_dirs: dict[str, Path], base: Path
+) -> None:
+    """Replace a mechanism's in-run verdict with its run-level ablation's, where a control gives one
+    (`RUN_LEVEL_RULE`); the in-run verdict is kept beside it."""
+    sign = -1.0 if claim.lower_is_better else 1.0
+    for item in out["controls"]:
+        ctl = item["control"]
+        if ctl.ablates is None:
+            continue
+        cell, check = ctl.ablates.split(":")
+        if cell not in (claim.better, claim.worse):
+            raise ConfigError(f"claim {claim.id}: control {ctl.cell} ablates {cell!r}, which is neither of the "
+                              f"claim's cells ({claim.better}, {claim.worse})")  # fmt: skip
+        control = {s: v for s, v in item["values"].items() if s not in item["failed"]}
+        seeds = sorted(set(control) & set(valid[cell]))
+        _check_same_scenarios(claim, {cell: cell_dirs[cell], ctl.cell: (base / ctl.study).resolve() / ctl.cell}, seeds)
+        entry = out["mechanisms"].setdefault(cell, {}).setdefault(check, {"verdict": "not measured in-run"})
+        try:
+            diff = paired_difference({s: sign * valid[cell][s] for s in seeds}, {s: sign * control[s] for s in seeds})
+        except ValueError:  # fewer than two paired valid seeds: the in-run verdict stands
+            entry["run_level"] = None
+            continue
+        verdict = "helps" if diff.low > 0 else "hurts" if diff.high < 0 else "neutral"
+        entry.update(in_run=entry["verdict"], run_level=diff, control=ctl.cell, verdict=verdict)
+
+
+def _fmt_mechanism(cell: str, name: str, v: dict[str, Any]) -> str:
+    in_run = (f"right only with it {v['gained']}, only without {v['lost']}, McNemar p {v['p']:.2g}"
+              if "gained" in v else "no in-run ablation")  # fmt: skip
+    if v.get("run_level") is None:
+        return f"{cell}'s {name} is {v['verdict']} ({in_run})"
+    return (
+        f"{cell}'s {name} is {v['verdict']} at run level ({cell} − {v['control']} "
+        f"{_fmt_diff(v['run_level'])}; in-run {v['in_run']}: {in_run})"
+    )
+
+
 def _reproduced(claim: Claim, diff: PairedDifference, out: dict[str, Any]) -> tuple[str, str | None]:
     """The status of an ordering that held: inconclusive when a cell's mechanism does not help or the worse cell
     does not beat its head-only control, else reproduced with its margin against the paper's."""
     weak = [
-        f"{cell}'s {name} is {v['verdict']} (right only with it {v['gained']}, only without {v['lost']}, "
-        f"McNemar p {v['p']:.2g})"
+        _fmt_mechanism(cell, name, v)
         for cell, checks in out["mechanisms"].items()
         for name, v in checks.items()
         if v["verdict"] != "helps"
@@ -439,7 +499,7 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
         f"paper's own difference (paper Δ). A verdict needs ≥ {claims.min_seeds} paired seeds that ran the same "
         "scenario from one clean code version and on which both cells pass the validity gate; a seed where either "
         "run fails the gate is left out of the verdict, named, and put back in a sensitivity check. Controls: "
-        f"intervals on their valid seeds only; {ROLE_EXPECTED}.",
+        f"intervals on their valid seeds only; {ROLE_EXPECTED}. Mechanisms: {RUN_LEVEL_RULE}.",
         "",
         "Statuses:",
         "",
@@ -480,8 +540,7 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
                 lines.append(f"Provenance note: {c['provenance_note'].strip()}")
         for cell, checks in (r.get("mechanisms") or {}).items():
             for name, v in checks.items():
-                lines.append(f"- `{cell}` {name}: **{v['verdict']}** over the paired seeds (right only with it "
-                             f"{v['gained']}, only without {v['lost']}, McNemar p {v['p']:.2g}).")  # fmt: skip
+                lines.append(f"- {_fmt_mechanism(f'`{cell}`', name, v)}.")
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")

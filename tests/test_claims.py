@@ -162,6 +162,39 @@ def test_a_claim_is_not_reproduced_on_an_idle_mechanism_or_an_inert_peer(tmp_pat
     assert result["status"] == "inconclusive" and "does not beat its head-only control" in result["reason"]
 
 
+def test_a_run_level_ablation_decides_its_mechanisms_verdict(tmp_path) -> None:
+    """A control that switches the better cell's mechanism off for the whole run (`ablates`) decides that
+    mechanism's verdict from the paired run-level difference, in place of the in-run McNemar one: an in-run
+    neutral mechanism whose run-level ablation loses on every seed helps; an ablation that scores as well as the
+    cell leaves it neutral, so the claim is not reproduced; the ablated run's own mechanism-only failures count as
+    valid."""
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
+    run_dirs(tmp_path / "study", "new", range(5), helps=(10, 9))  # in-run: neutral
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+
+    def ablated(values, invalid=None) -> None:
+        row = {"cell": "off", "per_seed": {str(s): {"faa": v} for s, v in enumerate(values)}, "invalid": invalid or {}}
+        (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": [*rows, row]}))
+
+    ablated([2, 3, 3, 2, 3], {"1": ["prompt_mechanism"]})
+    run_dirs(tmp_path / "study", "off", range(5))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    assert evaluate_claim(claims.claims[0], base)["status"] == "inconclusive"  # no run-level control: neutral
+    claims.claims[0].controls = [Control(study="study", cell="off", ablates="new:prompt_mechanism")]
+    result = evaluate_claim(claims.claims[0], base)
+    verdict = result["mechanisms"]["new"]["prompt_mechanism"]
+    assert verdict["verdict"] == "helps" and verdict["in_run"] == "neutral"
+    assert verdict["run_level"].seeds == [0, 1, 2, 3, 4]  # seed 1 failed only the mechanism it switches off
+    assert result["status"] == "reproduced"
+    assert "helps at run level (`new` − off +3.20" in claims_markdown(claims, base, "claims.yaml")
+    ablated([5, 7, 6, 6, 5])  # the switched-off run does as well: the mechanism did not help
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["status"] == "inconclusive" and "new's prompt_mechanism is neutral at run level" in result["reason"]
+    claims.claims[0].controls = [Control(study="study", cell="off", ablates="other:prompt_mechanism")]
+    with pytest.raises(ConfigError, match="neither of the claim's cells"):
+        evaluate_claim(claims.claims[0], base)
+
+
 def test_a_head_only_control_counts_prompt_free_seeds_and_must_have_valid_ones(tmp_path) -> None:
     """role head_only: a prompt-free seed failing only a mechanism check counts as valid; a learning failure does
     not; a failing seed whose model has prompts is refused; with fewer than two valid seeds the floor is not shown,
