@@ -404,22 +404,21 @@ def _run_level_verdicts(
         entry.update(in_run=entry["verdict"], run_level=diff, control=ctl.cell, verdict=verdict)
 
 
-def _fmt_mechanism(cell: str, name: str, v: dict[str, Any]) -> str:
+def _mechanism_evidence(v: dict[str, Any]) -> str:
+    """What a mechanism verdict rests on: the pooled in-run McNemar counts, or the run-level ablation's paired
+    difference with the in-run verdict beside it."""
     in_run = (f"right only with it {v['gained']}, only without {v['lost']}, McNemar p {v['p']:.2g}"
               if "gained" in v else "no in-run ablation")  # fmt: skip
     if v.get("run_level") is None:
-        return f"{cell}'s {name} is {v['verdict']} ({in_run})"
-    return (
-        f"{cell}'s {name} is {v['verdict']} at run level ({cell} − {v['control']} "
-        f"{_fmt_diff(v['run_level'])}; in-run {v['in_run']}: {in_run})"
-    )
+        return f"over the paired seeds ({in_run})"
+    return f"at run level (− `{v['control']}`: {_fmt_diff(v['run_level'])}; in-run {v['in_run']}: {in_run})"
 
 
 def _reproduced(claim: Claim, diff: PairedDifference, out: dict[str, Any]) -> tuple[str, str | None]:
     """The status of an ordering that held: inconclusive when a cell's mechanism does not help or the worse cell
     does not beat its head-only control, else reproduced with its margin against the paper's."""
     weak = [
-        _fmt_mechanism(cell, name, v)
+        f"{cell}'s {name} is {v['verdict']} {_mechanism_evidence(v)}"
         for cell, checks in out["mechanisms"].items()
         for name, v in checks.items()
         if v["verdict"] != "helps"
@@ -540,7 +539,7 @@ def claims_markdown(claims: ClaimsFile, base: Path, source: str, diagnoses: str 
                 lines.append(f"Provenance note: {c['provenance_note'].strip()}")
         for cell, checks in (r.get("mechanisms") or {}).items():
             for name, v in checks.items():
-                lines.append(f"- {_fmt_mechanism(f'`{cell}`', name, v)}.")
+                lines.append(f"- `{cell}` {name}: **{v['verdict']}** {_mechanism_evidence(v)}.")
         for cell, seeds in r["failed"].items():
             for seed, checks in seeds.items():
                 lines.append(f"- `{cell}` seed {seed} failed the validity gate: {', '.join(checks)}.")

@@ -186,7 +186,8 @@ def test_a_run_level_ablation_decides_its_mechanisms_verdict(tmp_path) -> None:
     assert verdict["verdict"] == "helps" and verdict["in_run"] == "neutral"
     assert verdict["run_level"].seeds == [0, 1, 2, 3, 4]  # seed 1 failed only the mechanism it switches off
     assert result["status"] == "reproduced"
-    assert "helps at run level (`new` − off +3.20" in claims_markdown(claims, base, "claims.yaml")
+    page = claims_markdown(claims, base, "claims.yaml")
+    assert "`new` prompt_mechanism: **helps** at run level (− `off`: +3.20" in page
     ablated([5, 7, 6, 6, 5])  # the switched-off run does as well: the mechanism did not help
     result = evaluate_claim(claims.claims[0], base)
     assert result["status"] == "inconclusive" and "new's prompt_mechanism is neutral at run level" in result["reason"]
