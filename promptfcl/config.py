@@ -569,6 +569,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def dotted_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping flattened to `section.key` → value (the keys `--set` takes)."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(dotted_keys(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
         path, value = parse_override(text)

@@ -57,6 +57,7 @@ from promptfcl.config import (
     StrictModel,
     apply_overrides,
     build_config,
+    dotted_keys,
     dump_config,
     read_yaml,
     unset_variables,
@@ -277,15 +278,6 @@ PATH_KEYS = ("data.root", "backbone.weights")  # where the same files lie on thi
 LABEL_KEYS = ("name",)  # the run's label (`<study>_<cell>`): a run moved to another study computes the same
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def _resolved(raw: dict[str, Any]) -> dict[str, Any]:
     """A config as the run sees it, flattened: validated, and the method section with its defaults filled in (a
     method parameter written out at its default is no change)."""
@@ -294,7 +286,7 @@ def _resolved(raw: dict[str, Any]) -> dict[str, Any]:
     cfg = build_config(raw)
     out = cfg.model_dump(mode="json")
     out["method"] = {"name": cfg.method.name, **resolve_method(cfg)[1].model_dump(mode="json")}
-    return _flat(out)
+    return dotted_keys(out)
 
 
 def changed_keys(run: StudyRun) -> list[str] | None:

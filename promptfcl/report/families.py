@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from promptfcl.config import dotted_keys
 from promptfcl.report.collect import Group
 
 DATA_KEYS = ("name", "train_per_class", "test_per_class", "options")  # which images; the rest is where / how read
@@ -169,15 +170,6 @@ def family_label(cfg: dict[str, Any], run_dir: Path | None = None) -> str:
     return ", ".join(parts) + f"; {data}"
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def group_families(groups: list[Group]) -> list[Family]:
     """The finished groups by scenario family, families in the order of their first cell; labels made unique by
     naming the keys in which a family differs from an earlier one of the same name."""
@@ -195,7 +187,7 @@ def group_families(groups: list[Group]) -> list[Family]:
     for j, fam in enumerate(out):
         same = [f for f in out[:j] if f.label == fam.label]
         if same:
-            a, b = _flat(same[0].identity), _flat(fam.identity)
+            a, b = dotted_keys(same[0].identity), dotted_keys(fam.identity)
             diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
             fam.label += " [" + ", ".join(f"{k} = {b.get(k, '–')}" for k in diff[:3]) + "]"
         taken = {f.label for f in out[:j]}
