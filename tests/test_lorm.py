@@ -380,3 +380,28 @@ def test_round_eval_before_a_tasks_end(runtime: Runtime, round_eval: str) -> Non
     final = {site_key(s): dl.dense().double() for s, dl in server.merged_deltas().items()}
     assert all(torch.allclose(after[k], final[k]) for k in sites)  # at the task's end: the merge, either way
     assert not torch.allclose(after[sites[0]], (modules[0][sites[0]] + modules[1][sites[0]]) / 2, atol=1e-5)
+
+
+def test_no_layers_is_lorms_head_alone() -> None:
+    """`layers: []` (the control that ablates LoRM's adapters for a whole run): no LoRA parameter exists, a client
+    trains and uploads only the head with its Gram, the server merges the head by RegMean, and the model has no
+    prompts to drop (its prompt effect is not applicable, as a head-only control's)."""
+    from promptfcl.evaluation.prompt_effect import prompt_effect_applies
+
+    runtime = Runtime.build(tiny_config(method={"name": "lorm", "layers": []}))
+    server, client = runtime.programs()
+    server.begin_stage(0)
+    assert not list(server.model.prompt.parameters()) and not prompt_effect_applies(server.model)
+    state = server.model.get_state()
+    replies = {}
+    for cid in (0, 1):
+        data = LabeledSubset.of(runtime.dataset.train, runtime.scenario.client_indices(0, cid)[:16],
+                                runtime.scenario.label_space.class_to_logit)  # fmt: skip
+        ctx = ClientContext(cid, 0, 0, Record(), data, 0, torch.device("cpu"), 0)
+        replies[cid] = client.handle(Message(dict(state), {"factor": "B", "task": 0, "round": 0}, kind="train"), ctx)
+        assert set(replies[cid].tensors) == {"head.weight", "head.bias", GRAM + "head"}
+        assert float((replies[cid].tensors["head.weight"] - state["head.weight"]).abs().max()) > 0
+    server.merge_clients(replies, "B")
+    heads, grams = ([r.tensors[k] for r in replies.values()] for k in ("head.weight", GRAM + "head"))
+    want = regmean(heads, grams)
+    assert torch.allclose(server.model.get_state()["head.weight"], want.to(torch.float32), atol=1e-5)

@@ -287,3 +287,22 @@ def test_train_batch_class_means_average_every_feature_the_loss_saw(runtime: Run
     for cls, mean in zip(stats.classes.tolist(), stats.means, strict=True):
         assert torch.allclose(mean.double(), f[y == cls].mean(0), atol=1e-5)
     assert not torch.allclose(stats.means[0], stats.means[1], atol=1e-3)  # the classes' means differ
+
+
+def test_no_layers_is_pilora_on_frozen_features() -> None:
+    """`layers: []` (the control that ablates PILoRA's LoRA for a whole run): no LoRA parameter exists, the
+    orthogonality and L1 terms are zero, the loss still trains the prototypes, and the model's features are the
+    frozen backbone's."""
+    runtime = Runtime.build(tiny_config(method={"name": "pilora", "layers": []}))
+    server, client = runtime.programs()
+    model, space = server.model, runtime.env.label_space
+    model.set_task(0)
+    assert not [p for p in model.prompt.parameters() if p.numel()]
+    assert float(model.prompt.orthogonality()) == 0.0 and float(model.prompt.l1()) == 0.0
+    x = runtime.env.eval_transform(runtime.dataset.train.images[:4])
+    y = torch.tensor(space.tasks[0].logits[:2] * 2)
+    with torch.no_grad():
+        assert torch.allclose(model.features(x), runtime.env.backbone(x), atol=1e-6)
+    model.zero_grad()
+    client.loss_fn(None, None)(model, x, y, space.train_mask(0, "seen")).backward()
+    assert float(model.protos["0"].grad.abs().sum()) > 0

@@ -102,7 +102,11 @@ class LoRMParams(LocalTrainingParams):
     lr_b: float | None = Field(None, ge=0, description="lr of the B factor in its rounds (the code's --lr_B; null: lr)")
     grad_clip: float | None = Field(None, gt=0)
     rank: int = Field(16, ge=1, description="LoRA rank r of every adapted projection")
-    layers: list[int] | None = Field(None, description="blocks to adapt (null: all)")
+    layers: list[int] | None = Field(
+        None,
+        description="blocks to adapt (null: all; []: none, LoRM's head alone merged by RegMean - a control that "
+        "ablates its adapters for a whole run, not a paper row)",
+    )
     targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), description="projections to adapt")
     lora_scale: float = Field(1.0, gt=0, description="ΔW = scale·B·A")
     train_matrix: Literal["alternate", "A", "B"] = "alternate"

@@ -101,7 +101,11 @@ class PILoRAParams(LocalTrainingParams):
         "seen", description="prototypes competing in l_dce: seen tasks' (paper), all (pilora3: future random ones too)"
     )
     rank: int = Field(4, ge=1)
-    layers: list[int] = Field(default_factory=lambda: [0])
+    layers: list[int] = Field(
+        default_factory=lambda: [0],
+        description="blocks whose q/v get the task LoRA ([]: none, the prototypes on frozen features - a control "
+        "that ablates the LoRA for a whole run, not a paper row)",
+    )
     temperature: float = Field(1.0, gt=0, description="T in l_dce = CE(−d/T)")
     pl_weight: float = Field(0.001, ge=0, description="λ of l_pl")
     ort_weight: float = Field(0.5, ge=0, description="γ of l_ort")

@@ -108,7 +108,7 @@ class IncrementalQVLoRA(nn.Module):
     def orthogonality(self) -> torch.Tensor:
         """PILoRA's l_ort for the current task: Σ over layers, q and v, and previous tasks of Σ |A_i·A_tᵀ|."""
         t = self.task
-        total = self.factors[self.key("aq", t, self.layers[0])].new_zeros(())
+        total = torch.zeros(())  # no layers (`layers: []`, the prototypes alone): nothing to keep orthogonal
         for layer in self.layers:
             for f in ("aq", "av"):
                 previous = [self.factor(f, i, layer) for i in range(t)]
@@ -118,7 +118,8 @@ class IncrementalQVLoRA(nn.Module):
     def l1(self) -> torch.Tensor:
         """Σ |A_q^t| + |A_v^t| over layers (the official code's sparsity term on the current task's A)."""
         t = self.task
-        return sum(self.factor(f, t, layer).abs().sum() for layer in self.layers for f in ("aq", "av"))  # type: ignore[return-value]
+        terms = (self.factor(f, t, layer).abs().sum() for layer in self.layers for f in ("aq", "av"))
+        return sum(terms, torch.zeros(()))
 
     def forward(self, batch_size: int = 1, query: torch.Tensor | None = None) -> PromptSpec:
         tasks = self.tasks_in_forward()
