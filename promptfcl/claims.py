@@ -42,7 +42,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from promptfcl.config import ConfigError, StrictModel, read_yaml
 from promptfcl.statistics.paired import PairedDifference, paired_difference
@@ -70,6 +70,16 @@ class Control(StrictModel):
         "(`RUN_LEVEL_RULE`); its seeds count unless they fail an integrity check (`ABLATION_INTEGRITY`)",
         pattern=r"^[^:]+:[A-Za-z0-9_]+_mechanism$",
     )
+
+    @model_validator(mode="after")
+    def _one_reading(self) -> "Control":
+        if self.role is not None and self.ablates is not None:  # their seed rules differ: one entry per reading
+            raise ValueError(
+                f"control {self.cell} has both `role: {self.role}` and `ablates: {self.ablates}`, whose valid-seed "
+                "rules differ (a role's control must learn, an ablation's need only have trained); list the cell "
+                "twice, once with each"
+            )
+        return self
 
 
 class Claim(StrictModel):

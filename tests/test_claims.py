@@ -195,6 +195,8 @@ def test_a_run_level_ablation_decides_its_mechanisms_verdict(tmp_path) -> None:
     claims.claims[0].controls = [Control(study="study", cell="off", ablates="other:prompt_mechanism")]
     with pytest.raises(ConfigError, match="neither of the claim's cells"):
         evaluate_claim(claims.claims[0], base)
+    with pytest.raises(ValueError, match="list the cell twice"):  # a floor must learn; an ablation need not
+        Control(study="study", cell="off", role="head_only", ablates="new:prompt_mechanism")
 
 
 def test_a_head_only_control_counts_prompt_free_seeds_and_must_have_valid_ones(tmp_path) -> None:
