@@ -72,7 +72,7 @@ class Control(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _one_reading(self) -> "Control":
+    def _one_reading(self) -> Control:
         if self.role is not None and self.ablates is not None:  # their seed rules differ: one entry per reading
             raise ValueError(
                 f"control {self.cell} has both `role: {self.role}` and `ablates: {self.ablates}`, whose valid-seed "
@@ -212,9 +212,11 @@ def provenance(dirs: list[Path], repo: Path | None = None) -> dict[str, Any]:
     return {"commits": commits, "code": codes, "dirty": dirty, "clean": len(set(codes.values())) == 1 and not dirty}
 
 
-def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
+def mechanism_verdicts(dirs: list[Path], also: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Per mechanism check of the runs (`prompt_mechanism`, `<component>_mechanism`): the paired counts pooled over
-    the runs (right only with the component, right only without) and McNemar's verdict on them."""
+    the runs (right only with the component, right only without) and McNemar's verdict on them. `also` names
+    mechanisms a claim ablates that the runs do not check (e.g. PILoRA's LoRA, `prompt_mechanism`): their in-run
+    counts come from the same measurement (the prompt effect, or the server's ablation of that component)."""
     from promptfcl.evaluation.prompt_effect import mcnemar
 
     pooled: dict[str, list[int]] = {}
@@ -223,12 +225,12 @@ def mechanism_verdicts(dirs: list[Path]) -> dict[str, dict[str, Any]]:
         if not path.is_file():
             continue
         m = json.loads(path.read_text())
-        for check in (m.get("validity") or {}).get("checks", []):
-            name = check["name"]
-            if not name.endswith("_mechanism"):
-                continue
+        declared = [c["name"] for c in (m.get("validity") or {}).get("checks", []) if c["name"].endswith("_mechanism")]
+        for name in dict.fromkeys([*declared, *also]):
             component = name[: -len("_mechanism")]
             effect = m.get("prompt_effect") if component == "prompt" else (m.get("ablations") or {}).get(component)
+            if name not in declared and not (effect and effect.get("gained") is not None):
+                continue  # an undeclared mechanism the run did not measure either
             counts = pooled.setdefault(name, [0, 0])
             if effect and effect.get("gained") is not None:
                 counts[0] += int(effect["gained"])
@@ -353,7 +355,8 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     out: dict[str, Any] = {"claim": claim.model_dump(), "failed": failed, "difference": None, "values": values,
                            "excluded": excluded, "all_seeds": None}  # fmt: skip
     out["provenance"] = provenance([d for ds in dirs.values() for d in ds], base)
-    out["mechanisms"] = {c: mechanism_verdicts(ds) for c, ds in dirs.items()}
+    ablated = [tuple(ctl.ablates.split(":")) for ctl in claim.controls if ctl.ablates is not None]
+    out["mechanisms"] = {c: mechanism_verdicts(ds, tuple(k for of, k in ablated if of == c)) for c, ds in dirs.items()}
     out["controls"] = _controls(claim, base, values[claim.better], studies[claim.better] / claim.better)
     valid_values = {c: {s: v for s, v in values[c].items() if s not in failed[c]} for c in values}
     _run_level_verdicts(claim, out, valid_values, {c: d / c for c, d in studies.items()}, base)

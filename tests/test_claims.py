@@ -199,6 +199,27 @@ def test_a_run_level_ablation_decides_its_mechanisms_verdict(tmp_path) -> None:
         Control(study="study", cell="off", role="head_only", ablates="new:prompt_mechanism")
 
 
+def test_an_ablated_mechanism_the_runs_do_not_check_takes_its_in_run_counts_from_their_measurement(tmp_path) -> None:
+    """A claim may ablate a component its method declares no mechanism check for (PILoRA's LoRA): the in-run
+    verdict shown beside the run-level one then pools the runs' own measurement of it (their prompt effect), and
+    without that control the component is no requirement of the claim."""
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
+    for seed in range(5):
+        metrics = {"validity": {"checks": [{"name": "prompt_benefit", "passed": True}]},
+                   "prompt_effect": {"gained": 10, "lost": 2}}  # fmt: skip
+        (tmp_path / "study" / "new" / f"seed{seed}" / "metrics.json").write_text(json.dumps(metrics))
+    rows = json.loads((tmp_path / "study" / "summary.json").read_text())["rows"]
+    off = {"cell": "off", "per_seed": {str(s): {"faa": v} for s, v in enumerate([2, 3, 3, 2, 3])}, "invalid": {}}
+    (tmp_path / "study" / "summary.json").write_text(json.dumps({"rows": [*rows, off]}))
+    run_dirs(tmp_path / "study", "off", range(5))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    assert "prompt_mechanism" not in evaluate_claim(claims.claims[0], base)["mechanisms"]["new"]
+    claims.claims[0].controls = [Control(study="study", cell="off", ablates="new:prompt_mechanism")]
+    verdict = evaluate_claim(claims.claims[0], base)["mechanisms"]["new"]["prompt_mechanism"]
+    assert (verdict["gained"], verdict["lost"], verdict["in_run"]) == (50, 10, "helps")
+    assert verdict["verdict"] == "helps" and verdict["run_level"].seeds == [0, 1, 2, 3, 4]
+
+
 def test_a_head_only_control_counts_prompt_free_seeds_and_must_have_valid_ones(tmp_path) -> None:
     """role head_only: a prompt-free seed failing only a mechanism check counts as valid; a learning failure does
     not; a failing seed whose model has prompts is refused; with fewer than two valid seeds the floor is not shown,
