@@ -24,6 +24,7 @@ import torch
 
 from promptfcl.evaluation.evaluator import Evaluator
 from promptfcl.runtime import Runtime
+from promptfcl.scenario.label_space import masked_logits
 
 
 def head_row_norms(model: torch.nn.Module, tasks: list) -> list[float] | None:
@@ -42,17 +43,15 @@ def diagnose(run: Path) -> dict:
     last = scenario.num_tasks - 1
     model = server.global_model().eval()
     out: dict = {"run": str(run), "method": rt.cfg.method.name}
-    for regime in ("task_agnostic", "task_aware"):
-        ev = Evaluator(rt.dataset.test, scenario, rt.env.eval_transform, 64, rt.device, regime=regime)
+    evaluators = {r: Evaluator(rt.dataset.test, scenario, rt.env.eval_transform, 64, rt.device, regime=r)
+                  for r in ("task_agnostic", "task_aware")}  # fmt: skip
+    for regime, ev in evaluators.items():
         out[regime] = [round(r.accuracy, 2) for r in ev.evaluate(model, last)]
-    ev = Evaluator(rt.dataset.test, scenario, rt.env.eval_transform, 64, rt.device)
-    older = torch.zeros(space.num_logits, dtype=torch.bool)
-    for t in space.tasks[:last]:
-        older[list(t.logits)] = True
-    mask = space.seen_mask(last)
+    ev = evaluators["task_agnostic"]
+    older = space.mask([j for t in space.tasks[:last] for j in t.logits])
     into_older, total = 0, 0
     for x, _ in ev.subsets[last].batches(ev.batch_size, ev.transform, device=ev.device):
-        pred = model(x).masked_fill(~mask, float("-inf")).argmax(dim=1).cpu()
+        pred = masked_logits(model(x), space.seen_mask(last)).argmax(dim=1).cpu()
         into_older += int(older[pred].sum())
         total += len(pred)
     out["last_task_into_older_classes"] = round(100.0 * into_older / total, 2)
