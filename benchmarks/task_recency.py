@@ -49,9 +49,10 @@ def diagnose(run: Path) -> dict:
         out[regime] = [round(r.accuracy, 2) for r in ev.evaluate(model, last)]
     ev = evaluators["task_agnostic"]
     older = space.mask([j for t in space.tasks[:last] for j in t.logits])
+    seen = space.seen_mask(last)
     into_older, total = 0, 0
     for x, _ in ev.subsets[last].batches(ev.batch_size, ev.transform, device=ev.device):
-        pred = masked_logits(model(x), space.seen_mask(last)).argmax(dim=1).cpu()
+        pred = masked_logits(model(x), seen).argmax(dim=1).cpu()
         into_older += int(older[pred].sum())
         total += len(pred)
     out["last_task_into_older_classes"] = round(100.0 * into_older / total, 2)
