@@ -20,7 +20,7 @@ from promptfcl.checkpoint import Checkpoint, has_checkpoint, load_checkpoint, sa
 from promptfcl.config import ConfigError, ExperimentConfig, dump_config, load_config
 from promptfcl.environment import environment_info
 from promptfcl.evaluation.regimes import build_regime
-from promptfcl.evaluation.validity import RunEvidence, gate
+from promptfcl.evaluation.validity import RunEvidence, gate, parameter_moves
 from promptfcl.federation.faults import FaultPlan
 from promptfcl.federation.inprocess import InProcessGrid
 from promptfcl.federation.message import Message
@@ -310,21 +310,3 @@ def print_summary(console: Console, metrics: dict[str, Any], run_dir: Path) -> N
 def trained_snapshot(server: ServerProgram) -> dict[str, torch.Tensor]:
     """A copy of what the server holds of the trained tensors (`ServerProgram.trained_tensors`)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in server.trained_tensors().items() if v.is_floating_point()}
-
-
-def parameter_moves(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
-    """How far each group of trained tensors moved in a round, relative to its size: `move/<group>` =
-    ‖w_after − w_before‖ / max(‖w_before‖, ‖w_after‖) over the group's tensors (a group is a name's first part:
-    `prompt`, `head`, `adapter`, …; a `client3/`-style owner prefix is dropped). The validity gate sums them over
-    the run (`parameters_moved`): a group that never left its value was not trained."""
-    sums: dict[str, list[float]] = {}
-    for name, a in after.items():
-        b = before.get(name)
-        if b is None or b.shape != a.shape:
-            continue
-        group = name.rsplit("/", 1)[-1].split(".", 1)[0]
-        s = sums.setdefault(group, [0.0, 0.0, 0.0])
-        s[0] += float((a.double() - b.double()).pow(2).sum())
-        s[1] += float(b.double().pow(2).sum())
-        s[2] += float(a.double().pow(2).sum())
-    return {f"move/{g}": (d**0.5) / max(nb**0.5, na**0.5, 1e-12) for g, (d, nb, na) in sorted(sums.items())}

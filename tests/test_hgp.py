@@ -97,7 +97,7 @@ def test_server_receives_only_parameters_and_class_statistics(tmp_path) -> None:
         for cid, reply in replies.items():
             stats_names = {n for n in reply.tensors if n not in params}
             assert stats_names == {"stats/classes", "stats/counts", "stats/means", "stats/spread"}
-            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "chance_loss", "prior_loss"}
+            assert set(reply.scalars) == {"num_samples", "loss", "last_loss", "last_total", "chance_loss", "prior_loss"}
             s = ClassStatistics.from_tensors(reply.tensors)
             # exactly the client's classes with >= 2 samples, their true counts, one d-vector each
             idx = exp.scenario.client_indices(task, cid)
@@ -172,8 +172,8 @@ def test_fedproto_prototypes_regularise_and_classify(tmp_path) -> None:
     mask = exp.scenario.label_space.train_mask(0, "current_task")
     ctx = SimpleNamespace(device=torch.device("cpu"))
     with torch.no_grad():
-        with_proto = client.loss_fn(ctx_msg, ctx)(model, x, y, mask)  # type: ignore[arg-type]
-        plain = client.loss_fn(Message({}, {}, kind="train"), ctx)(model, x, y, mask)  # type: ignore[arg-type]
+        with_proto = client.loss_fn(ctx_msg, ctx)(model, x, y, mask).total  # type: ignore[arg-type,union-attr]
+        plain = client.loss_fn(Message({}, {}, kind="train"), ctx)(model, x, y, mask).total  # type: ignore[arg-type,union-attr]
         f = model.features(x)
     proto_of = dict(zip(sent["protos/classes"].tolist(), sent["protos/means"], strict=True))
     reg = sum(float(((f[i] - proto_of[int(y[i])]) ** 2).sum()) for i in range(len(y))) / f.numel()

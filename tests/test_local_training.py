@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,49 @@ def test_own_class_loss_drops_other_clients_classes_but_keeps_the_prior_bar() ->
     assert own_class_loss(logits[:0], y[:0]) == (0.0, 1.0)
     wrong = F.one_hot(other, 50).double()  # confident in the client's *other* class
     assert own_class_loss(wrong, y)[0] > prior_loss(y)
+
+
+def test_last_loss_is_the_classification_ce_without_the_pools_auxiliary_loss() -> None:
+    """The validity gate compares `last_loss` with the label-prior loss, so it must be the CE alone: a pool's
+    auxiliary loss (an L2P key pull of up to λ·2 nats) is no cross-entropy and used to push a client that learned
+    above the prior. `last_total` keeps the whole loss; the gap is exactly the auxiliary term."""
+    from promptfcl.training.local import cross_entropy_terms, prior_loss
+
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.key = nn.Parameter(torch.zeros(1))
+            self.aux_loss = torch.zeros(())
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head, self.prompt = nn.Linear(2, 2), Pool()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.prompt.aux_loss = 3.0 + 0.0 * self.prompt.key.sum()  # a constant pull: 3 nats, never a CE
+            return self.head(x)
+
+    x = torch.tensor([[4.0, 0.0], [0.0, 4.0]] * 8)
+    y = torch.tensor([0, 1] * 8)
+
+    class Data:
+        targets = y
+
+        def __len__(self) -> int:
+            return len(y)
+
+        def batches(self, *args, **kwargs):
+            yield x, y
+
+    torch.manual_seed(0)
+    model = Model()
+    p = LocalTrainingParams(lr=0.1, local_epochs=30, batch_size=16, grad_clip=None)
+    stats = train_local(model, Data(), p, torch.ones(2, dtype=torch.bool), lambda t: t, torch.Generator(), "cpu",
+                        cross_entropy_terms)  # fmt: skip
+    assert stats["last_total"] == pytest.approx(stats["last_loss"] + 3.0, abs=1e-6)
+    assert stats["last_loss"] < 0.5 * prior_loss(y) < stats["last_total"]  # learned; the whole loss would fail
+    # a loss function that returns one tensor is its own CE (its last_loss is the whole loss, as before)
+    stats = train_local(Model(), Data(), p, torch.ones(2, dtype=torch.bool), lambda t: t, torch.Generator(), "cpu",
+                        lambda m, a, b, mk: cross_entropy_terms(m, a, b, mk).total)  # fmt: skip
+    assert stats["last_loss"] == stats["last_total"] > 3.0

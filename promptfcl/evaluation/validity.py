@@ -20,8 +20,9 @@ them are `invalid` (`promptfcl.claims`). The generic checks, and why each thresh
   A task whose readout has a single class (chance 100 %) has nothing to tell apart and is skipped. A non-finite
   loss or parameter move (a diverged run) fails its check.
 - `parameters_moved`: every group of trained tensors the server holds (`prompt`, `head`, `adapter`, … — the
-  `move/<group>` the loop logs each round, ‖Δw‖ / ‖w‖ over the round) moved at least `MIN_MOVE` in total over the
-  run: a component that never left its initial value was not trained, whatever its output.
+  `move/<group>` the loop logs each round, ‖Δw‖ / ‖w‖ over the round), and every group the clients keep to
+  themselves (reported in their replies, `mean_reply_moves`), moved at least `MIN_MOVE` in total over the run: a
+  component that never left its initial value was not trained, whatever its output.
 - `prompt_benefit`: the final model(s) run again inside `FrozenViT.prompts_disabled()` (prompts and adapters
   gone, exactly the frozen forward) on the same test images; McNemar's exact test of the images right only with
   them (`gained`) against those right only without (`lost`) classifies them as helps / neutral / hurts
@@ -45,6 +46,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from promptfcl.evaluation.prompt_effect import BENEFIT_P
 
@@ -172,6 +175,37 @@ def check_learned_tasks(tasks: list[LearnedTask]) -> Check | None:
         worst < CHANCE_P and floor_ok,
         ", ".join(detail),
     )
+
+
+def parameter_moves(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """How far each group of trained tensors moved in a round, relative to its size: `move/<group>` =
+    ‖w_after − w_before‖ / max(‖w_before‖, ‖w_after‖) over the group's tensors (a group is a name's first part:
+    `prompt`, `head`, `adapter`, …; a `client3/`-style owner prefix is dropped). The validity gate sums them over
+    the run (`parameters_moved`): a group that never left its value was not trained. The experiment loop applies it
+    to what the server holds; a client program applies it to the state it keeps to itself (`mean_reply_moves`)."""
+    sums: dict[str, list[float]] = {}
+    for name, a in after.items():
+        b = before.get(name)
+        if b is None or b.shape != a.shape:
+            continue
+        group = name.rsplit("/", 1)[-1].split(".", 1)[0]
+        s = sums.setdefault(group, [0.0, 0.0, 0.0])
+        s[0] += float((a.double() - b.double()).pow(2).sum())
+        s[1] += float(b.double().pow(2).sum())
+        s[2] += float(a.double().pow(2).sum())
+    return {f"move/{g}": (d**0.5) / max(nb**0.5, na**0.5, 1e-12) for g, (d, nb, na) in sorted(sums.items())}
+
+
+def mean_reply_moves(scalars: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The mean over replies of their `move/<group>` scalars: how far the trained state that clients keep to
+    themselves (personal heads, local prompts), which the server never sees, moved in their round's training. A
+    server returns it among its round metrics, beside the moves the loop measures on what the server holds."""
+    sums: dict[str, list[float]] = {}
+    for s in scalars:
+        for k, v in s.items():
+            if k.startswith("move/") and isinstance(v, int | float):
+                sums.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def check_parameters_moved(rounds: list[dict[str, Any]]) -> Check | None:

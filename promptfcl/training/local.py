@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,15 +81,29 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
         opt.load_state_dict(sd)
 
 
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class LossTerms(NamedTuple):
+    """A training loss (`total`, what is minimised) and its classification cross-entropy (`ce`): the part the
+    validity gate compares with the label-prior loss. Auxiliary terms (key pulls, orthogonality, proximal or
+    distillation terms) have no such scale and stay out of `ce`."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | LossTerms"]
+
+
+def cross_entropy_terms(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> LossTerms:
+    """CE over the logits allowed by `mask` (the others set to -inf), plus the prompt pool's auxiliary loss
+    (L2P/DualPrompt key matching, CODA-P orthogonality) when the model has one; the CE alone beside it."""
+    ce = F.cross_entropy(masked_logits(model(x), mask), y)
+    aux = getattr(getattr(model, "prompt", None), "aux_loss", None)
+    return LossTerms(ce + aux if aux is not None and aux.requires_grad else ce, ce)
 
 
 def masked_cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """CE over the logits allowed by `mask` (the others set to -inf), plus the prompt pool's auxiliary loss
-    (L2P/DualPrompt key matching, CODA-P orthogonality) when the model has one."""
-    loss = F.cross_entropy(masked_logits(model(x), mask), y)
-    aux = getattr(getattr(model, "prompt", None), "aux_loss", None)
-    return loss + aux if aux is not None and aux.requires_grad else loss
+    """The total of `cross_entropy_terms`: masked CE plus the prompt pool's auxiliary loss."""
+    return cross_entropy_terms(model, x, y, mask).total
 
 
 def train_local(
@@ -100,14 +114,15 @@ def train_local(
     transform: ImageTransform,
     generator: torch.Generator,
     device: torch.device,
-    loss_fn: LossFn = masked_cross_entropy,
+    loss_fn: LossFn = cross_entropy_terms,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, float]:
-    """`p.local_epochs` epochs of minibatch training on `data`; returns the mean loss, the final epoch's mean loss
-    (`last_loss`), ln K of the K logits that compete (`chance_loss`, a uniform guess's CE), the entropy of the
-    client's own labels (`prior_loss`: the CE of always predicting its label distribution, what a model that learned
-    only the client's label prior reaches) and counts — the validity gate's evidence that the client learned
-    (`evaluation.validity`).
+    """`p.local_epochs` epochs of minibatch training on `data`; returns the mean loss, the final epoch's mean
+    classification loss (`last_loss`: the CE of `LossTerms` when `loss_fn` returns them, else the whole loss; the
+    final epoch's whole loss is `last_total`), ln K of the K logits that compete (`chance_loss`, a uniform guess's
+    CE), the entropy of the client's own labels (`prior_loss`: the CE of always predicting its label distribution,
+    what a model that learned only the client's label prior reaches) and counts — the validity gate's evidence that
+    the client learned (`evaluation.validity`).
 
     A fresh optimizer is made from `p` unless `optimizer` (e.g. one restored from the client's state) is given.
     """
@@ -123,15 +138,17 @@ def train_local(
     mask = mask.to(device)
     scaler = LossScaler.for_model(model, device)  # fp16: dynamic loss scaling; otherwise plain backward / step
     # loss sums stay on the device (float64: the same sums as Python floats), read once: no sync per step on a GPU
-    total = epoch_total = torch.zeros((), dtype=torch.float64, device=device)
+    total = epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
     steps = epoch_steps = 0
     for epoch in range(p.local_epochs):
-        epoch_total, epoch_steps = torch.zeros((), dtype=torch.float64, device=device), 0
+        epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
+        epoch_steps = 0
         if p.lr_schedule == "coda_cosine":
             for g in opt.param_groups:  # relative to each group's own lr
                 g["lr"] = g.setdefault("base_lr", g["lr"]) * coda_cosine_factor(epoch, p.local_epochs)
         for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
-            loss = loss_fn(model, x, y, mask)
+            terms = loss_fn(model, x, y, mask)
+            loss, ce = terms if isinstance(terms, LossTerms) else (terms, terms)
             opt.zero_grad(set_to_none=True)
             scaler.backward(loss)
             scaler.step(opt, params, p.grad_clip)
@@ -139,11 +156,13 @@ def train_local(
                 sched.step()
             value = loss.detach().double()
             total, epoch_total = total + value, epoch_total + value
+            epoch_ce = epoch_ce + ce.detach().double()
             steps, epoch_steps = steps + 1, epoch_steps + 1
     model.eval()
     out = {
         "loss": float(total) / max(steps, 1),
-        "last_loss": float(epoch_total) / max(epoch_steps, 1),
+        "last_loss": float(epoch_ce) / max(epoch_steps, 1),
+        "last_total": float(epoch_total) / max(epoch_steps, 1),
         "chance_loss": chance_loss(mask),
         "steps": steps,
         "samples": len(data),

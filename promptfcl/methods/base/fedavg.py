@@ -38,8 +38,8 @@ from promptfcl.seeding import seed_everything, torch_generator
 from promptfcl.training.local import (
     LocalTrainingParams,
     LossFn,
+    cross_entropy_terms,
     make_optimizer,
-    masked_cross_entropy,
     optimizer_tensors,
     restore_optimizer,
     train_local,
@@ -131,8 +131,9 @@ class SupervisedClient(ClientProgram):
         return lambda x, task: model(x)
 
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
-        """The training loss for this message (default: CE over the allowed logits)."""
-        return masked_cross_entropy
+        """The training loss for this message (default: CE over the allowed logits plus the pool's auxiliary
+        loss, with the CE beside it for the validity gate)."""
+        return cross_entropy_terms
 
     def train(
         self, model: torch.nn.Module, ctx: ClientContext, message: Message, loss: LossFn | None = None
@@ -173,7 +174,8 @@ class SupervisedClient(ClientProgram):
         )
 
 
-LOSS_KEYS = ("loss", "last_loss", "chance_loss", "prior_loss")  # what a train reply reports of its training loss
+# what a train reply reports of its training loss
+LOSS_KEYS = ("loss", "last_loss", "last_total", "chance_loss", "prior_loss")
 
 
 def loss_scalars(stats: dict[str, float]) -> dict[str, float]:

@@ -96,6 +96,7 @@ from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import Augment
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
+from promptfcl.evaluation.validity import mean_reply_moves, parameter_moves
 from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import (
@@ -125,7 +126,7 @@ from promptfcl.methods.fedmgp.signals import check_key_hit, local_prompts_on
 from promptfcl.prompts.l2p import L2PPool
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import numpy_rng, torch_generator
-from promptfcl.training.local import LocalTrainingParams, make_optimizer, train_local
+from promptfcl.training.local import LocalTrainingParams, LossTerms, make_optimizer, train_local
 
 
 class FedMGPParams(LocalTrainingParams):
@@ -277,12 +278,14 @@ class FedMGPClient(ClientProgram):
         p, space = self.params, ctx.space(self.env)
         mask = space.train_mask(ctx.stage, "current_task")
         tf = self.env.train_transform(p.augment)
+        before = self.private_trained(model)
         losses, final = [], {}
         if len(ctx.train_data) and model.global_pool is not None:  # phase 1: coarse global prompts + H_g
             self._trainable(model, ["global_pool", "global_head"])
 
-            def global_loss(m: MGPModel, x: torch.Tensor, y: torch.Tensor, mk: torch.Tensor) -> torch.Tensor:
-                return _ce(m(x), y, mk) + m.global_pool.aux_loss
+            def global_loss(m: MGPModel, x: torch.Tensor, y: torch.Tensor, mk: torch.Tensor) -> LossTerms:
+                ce = _ce(m(x), y, mk)
+                return LossTerms(ce + m.global_pool.aux_loss, ce)
 
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "global"), ctx.device,
                                 global_loss)  # fmt: skip
@@ -292,9 +295,9 @@ class FedMGPClient(ClientProgram):
             self._trainable(model, ["local_pool", f"local_heads.{ctx.stage}."])
             pull = p.local_pull_coef > 0
 
-            def local_loss(m: MGPModel, x: torch.Tensor, y: torch.Tensor, mk: torch.Tensor) -> torch.Tensor:
-                logits = m.local_logits(x, ctx.stage, labels=y, pull=pull)
-                return _ce(logits, y, mk) + p.local_pull_coef * m.local_aux
+            def local_loss(m: MGPModel, x: torch.Tensor, y: torch.Tensor, mk: torch.Tensor) -> LossTerms:
+                ce = _ce(m.local_logits(x, ctx.stage, labels=y, pull=pull), y, mk)
+                return LossTerms(ce + p.local_pull_coef * m.local_aux, ce)
 
             stats = train_local(model, ctx.train_data, p, mask, tf, torch_generator(ctx.seed, "local"), ctx.device,
                                 local_loss, self._local_optimizer(model))  # fmt: skip
@@ -309,11 +312,23 @@ class FedMGPClient(ClientProgram):
             upload.update(subset_state(model, GLOBAL_HEAD))
         scalars = {
             "num_samples": len(ctx.train_data),
-            **{k: final[k] for k in ("last_loss", "chance_loss", "prior_loss") if k in final},
+            **{k: final[k] for k in ("last_loss", "last_total", "chance_loss", "prior_loss") if k in final},
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "classes": list(space.tasks[ctx.stage].classes),
+            **parameter_moves(before, self.private_trained(model)),
         }
         return Message(upload, scalars, kind="train_reply")
+
+    def private_trained(self, model: MGPModel) -> dict[str, torch.Tensor]:
+        """A copy of the trained parameters this client keeps to itself (its H_g, its local prompts and keys, its
+        per-task local heads; not what it uploads): their moves go up in the reply (`move/<group>`), since the
+        server, which the experiment loop measures, never holds them."""
+        trained = ([GLOBAL_HEAD] if model.global_pool is not None else []) + (
+            [LOCAL_POOL, "local_heads."] if model.local_pool is not None else []
+        )
+        shared = self.params.shared()
+        return {k: q.detach().clone() for k, q in model.named_parameters()
+                if k.startswith(tuple(trained)) and not k.startswith(shared)}  # fmt: skip
 
     @torch.no_grad()
     def diagnostics(self, model: MGPModel, ctx: ClientContext, batch_size: int = 256) -> dict[str, float]:
@@ -379,12 +394,22 @@ class FedMGPServer(RoundServer):
         return Message(self.shared(), kind="train")
 
     def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
-        """Fuse the clients' global pools (FedMGP), or average their local pools per class (w/o global)."""
+        """Fuse the clients' global pools (FedMGP), or average their local pools per class (w/o global); the
+        round metrics carry the mean move of what the clients keep to themselves."""
+        moves = mean_reply_moves([r.scalars for r in replies.values()])
         if self.params.shared() == (GLOBAL_POOL,):
-            return self.fuse(replies, self.round_info)
+            return {**self.fuse(replies, self.round_info), **moves}
         if self.params.shared() == (LOCAL_POOL,):
-            return self.share_local(replies)
-        return {}
+            return {**self.share_local(replies), **moves}
+        return moves
+
+    def trained_tensors(self) -> dict[str, torch.Tensor]:
+        """What the server itself changes: the fused shared pool, and H_g when the fused head is returned (the
+        clients' own heads and local prompts report their moves in their replies)."""
+        out = {k: v for prefix in self.params.shared() for k, v in subset_state(self.model, prefix).items()}
+        if self.params.return_fused_head:
+            out.update(subset_state(self.model, GLOBAL_HEAD))
+        return out
 
     def share_local(self, replies: dict[int, Message]) -> dict[str, float]:
         """W/o global prompt (§5.3): each class's local prompt and key averaged over the clients whose current

@@ -46,7 +46,7 @@ from promptfcl.scenario.label_space import masked_logits
 from promptfcl.statistics import class_statistics, pooled, uploaded_statistics
 from promptfcl.statistics.class_stats import extract_features, statistics_schema
 from promptfcl.statistics.privacy import PrivacyParams, noise_generator, private_class_statistics
-from promptfcl.training.local import LossFn
+from promptfcl.training.local import LossFn, LossTerms
 
 
 class FedProtoParams(FedAvgPromptParams):
@@ -83,19 +83,19 @@ class FedProtoClient(SupervisedClient):
         table[message.tensors["protos/classes"]] = message.tensors["protos/means"].to(ctx.device)
         known[message.tensors["protos/classes"]] = True
 
-        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> LossTerms:
             f = model.features(x)
             ce = F.cross_entropy(masked_logits(model.head(f), mask), y)
             has = known[y]
             if not has.any():
-                return ce
+                return LossTerms(ce, ce)
             f, y = f[has], y[has]
             if p.proto_reg == "class_mean":
                 classes, inv = torch.unique(y, return_inverse=True)
                 means = torch.zeros(len(classes), f.shape[1], device=f.device).index_add_(0, inv, f)
                 means = means / torch.bincount(inv).unsqueeze(1)
-                return ce + p.proto_lambda * F.mse_loss(means, table[classes])
-            return ce + p.proto_lambda * F.mse_loss(f, table[y])
+                return LossTerms(ce + p.proto_lambda * F.mse_loss(means, table[classes]), ce)
+            return LossTerms(ce + p.proto_lambda * F.mse_loss(f, table[y]), ce)
 
         return loss
 

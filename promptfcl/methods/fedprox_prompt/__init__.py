@@ -17,7 +17,7 @@ from promptfcl.federation.protocol import ClientContext
 from promptfcl.methods.base import register_method
 from promptfcl.methods.base.fedavg import FedAvgServer, SupervisedClient
 from promptfcl.methods.base.prompt_models import WeightedPoolParams, build_weighted_pool
-from promptfcl.training.local import LossFn, masked_cross_entropy
+from promptfcl.training.local import LossFn, LossTerms, cross_entropy_terms
 from promptfcl.training.regularizers import proximal_term
 
 
@@ -34,8 +34,9 @@ class FedProxClient(SupervisedClient):
         server = {k: v.to(ctx.device) for k, v in message.tensors.items()}
         mu = self.params.mu
 
-        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return masked_cross_entropy(model, x, y, mask) + proximal_term(model, server, mu)
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> LossTerms:
+            terms = cross_entropy_terms(model, x, y, mask)
+            return LossTerms(terms.total + proximal_term(model, server, mu), terms.ce)
 
         return loss
 

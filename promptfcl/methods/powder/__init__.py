@@ -86,7 +86,7 @@ from promptfcl.prompts.pools import gram_schmidt_
 from promptfcl.scenario.label_space import masked_logits
 from promptfcl.seeding import derive_seed
 from promptfcl.statistics.class_stats import extract_features
-from promptfcl.training.local import LossFn
+from promptfcl.training.local import LossFn, LossTerms
 
 Signature = tuple[list[int], torch.Tensor]  # (the trained tasks it was measured against, (layers, tasks·N))
 
@@ -276,10 +276,10 @@ class PowderClient(SupervisedClient):
     def loss_fn(self, message: Message, ctx: ClientContext) -> LossFn:
         ntd = self.ntd_term(message, ctx)
 
-        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> LossTerms:
             logits = model(x)
-            total = F.cross_entropy(masked_logits(logits, mask), y)
-            return total if ntd is None else total + ntd(x, y, logits)
+            ce = F.cross_entropy(masked_logits(logits, mask), y)
+            return LossTerms(ce if ntd is None else ce + ntd(x, y, logits), ce)
 
         return loss
 
