@@ -199,7 +199,8 @@ def parameter_moves(before: dict[str, torch.Tensor], after: dict[str, torch.Tens
 def mean_reply_moves(scalars: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The mean over replies of their `move/<group>` scalars: how far the trained state that clients keep to
     themselves (personal heads, local prompts), which the server never sees, moved in their round's training. A
-    server returns it among its round metrics, beside the moves the loop measures on what the server holds."""
+    round server returns it among its round metrics (`RoundServer.run_round`), beside the moves the loop measures on
+    what the server holds."""
     sums: dict[str, list[float]] = {}
     for s in scalars:
         for k, v in s.items():

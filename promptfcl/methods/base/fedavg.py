@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
+from promptfcl.evaluation.validity import mean_reply_moves
 from promptfcl.federation.aggregation import (
     RunningMean,
     aggregate_states,
@@ -221,13 +222,15 @@ class RoundServer(ServerProgram):
         """One round as hooks, so that no method rewrites the broadcast and the bookkeeping:
         `before_round` (exchanges before training) → `configure` (each participant's message) → the grid
         delivers, validates and (`reply_fold`) folds → `reply_metrics` (from every reply) → usable replies (data
-        held, update screening) with their loss → `aggregate` → `after_aggregate` → `after_round`."""
+        held, update screening) with their loss and the moves of what clients keep to themselves → `aggregate` →
+        `after_aggregate` → `after_round`."""
         self.round_info = info
         metrics = dict(self.before_round(grid, info))
         replies = grid.send(self.configure(info), self.reply_fold())
         metrics.update(self.reply_metrics(replies))
         usable = self.screen(usable_replies(replies), grid)
-        metrics.update({**round_loss(usable), "clients": len(usable)})
+        metrics.update({**round_loss(usable), **mean_reply_moves([r.scalars for r in usable.values()])})
+        metrics["clients"] = len(usable)
         if usable:
             metrics.update(self.aggregate(usable) or {})
             metrics.update(self.after_aggregate(usable, info))

@@ -96,7 +96,7 @@ from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.data.loader import LabeledSubset, nograd_batch
 from promptfcl.data.transforms import Augment
 from promptfcl.evaluation.client_local import Predict, evaluate_reply, remember_local
-from promptfcl.evaluation.validity import mean_reply_moves, parameter_moves
+from promptfcl.evaluation.validity import parameter_moves
 from promptfcl.federation.aggregation import owner_row_mean, weighted_mean
 from promptfcl.federation.message import Message, Record
 from promptfcl.federation.protocol import (
@@ -394,14 +394,12 @@ class FedMGPServer(RoundServer):
         return Message(self.shared(), kind="train")
 
     def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
-        """Fuse the clients' global pools (FedMGP), or average their local pools per class (w/o global); the
-        round metrics carry the mean move of what the clients keep to themselves."""
-        moves = mean_reply_moves([r.scalars for r in replies.values()])
+        """Fuse the clients' global pools (FedMGP), or average their local pools per class (w/o global)."""
         if self.params.shared() == (GLOBAL_POOL,):
-            return {**self.fuse(replies, self.round_info), **moves}
+            return self.fuse(replies, self.round_info)
         if self.params.shared() == (LOCAL_POOL,):
-            return {**self.share_local(replies), **moves}
-        return moves
+            return self.share_local(replies)
+        return {}
 
     def trained_tensors(self) -> dict[str, torch.Tensor]:
         """What the server itself changes: the fused shared pool, and H_g when the fused head is returned (the
