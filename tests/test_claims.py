@@ -332,6 +332,27 @@ def test_controls_are_shown_beside_the_pair_with_the_better_cells_paired_lead(tm
         evaluate_claim(claims.claims[0], base)
 
 
+def test_a_controls_interval_leaves_out_the_seeds_where_the_better_cell_failed_the_gate(tmp_path) -> None:
+    """`better` − control is paired only over seeds where both runs pass: a seed the better cell failed counts
+    neither in the claim's pair nor beside its controls."""
+    cells = {"new": [5, 6, 7, 6, 9], "old": [1, 2, 2, 1, 3], "head_only": [4, 4, 4, 4, 4]}
+    rows = [{"cell": c, "per_seed": {str(s): {"faa": v} for s, v in enumerate(vals)}, "invalid": {}}
+            for c, vals in cells.items()]  # fmt: skip
+    rows[0]["invalid"] = {"4": ["key_hit"]}
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "summary.json").write_text(json.dumps({"rows": rows}))
+    for c in cells:
+        run_dirs(tmp_path / "s", c, range(5))
+    claim = {"id": "c", "paper": "P", "study": "s", "better": "new", "worse": "old",
+             "controls": [{"study": "s", "cell": "head_only", "role": "head_only"}]}  # fmt: skip
+    (tmp_path / "claims.yaml").write_text(yaml.safe_dump({"claims": [claim]}))
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base)
+    assert result["difference"].seeds == [0, 1, 2, 3]
+    (head_only,) = result["controls"]
+    assert head_only["diff"].seeds == [0, 1, 2, 3] and head_only["diff"].differences == [1, 2, 3, 2]
+
+
 @pytest.mark.parametrize("local_only", [True, False])
 def test_a_local_only_control_counts_seeds_whose_prompts_hurt_on_the_global_test(tmp_path, local_only) -> None:
     """role local_only: seeds failing only prompt_benefit / *_mechanism count as valid (named on the page); a seed
