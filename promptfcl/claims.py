@@ -439,7 +439,8 @@ def _mechanism_evidence(v: dict[str, Any]) -> str:
               if "gained" in v else "no in-run ablation")  # fmt: skip
     if v.get("run_level") is None:
         return f"over the paired seeds ({in_run})"
-    return f"at run level (− `{v['control']}`: {_fmt_diff(v['run_level'])}; in-run {v['in_run']}: {in_run})"
+    beside = f"in-run {v['in_run']}: {in_run}" if "gained" in v else in_run
+    return f"at run level (− `{v['control']}`: {_fmt_diff(v['run_level'])}; {beside})"
 
 
 def _reproduced(claim: Claim, diff: PairedDifference, out: dict[str, Any]) -> tuple[str, str | None]:

@@ -218,6 +218,10 @@ def test_an_ablated_mechanism_the_runs_do_not_check_takes_its_in_run_counts_from
     verdict = evaluate_claim(claims.claims[0], base)["mechanisms"]["new"]["prompt_mechanism"]
     assert (verdict["gained"], verdict["lost"], verdict["in_run"]) == (50, 10, "helps")
     assert verdict["verdict"] == "helps" and verdict["run_level"].seeds == [0, 1, 2, 3, 4]
+    claims.claims[0].controls = [Control(study="study", cell="off", ablates="new:lcdc_mechanism")]  # nothing in-run
+    page = claims_markdown(claims, base, "claims.yaml")
+    assert "`new` lcdc_mechanism: **helps** at run level (− `off`: +3.20 [" in page
+    assert "; no in-run ablation)." in page and "in-run not measured" not in page
 
 
 def test_a_head_only_control_counts_prompt_free_seeds_and_must_have_valid_ones(tmp_path) -> None:
