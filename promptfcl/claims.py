@@ -357,9 +357,8 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
     out["provenance"] = provenance([d for ds in dirs.values() for d in ds], base)
     ablated = [tuple(ctl.ablates.split(":")) for ctl in claim.controls if ctl.ablates is not None]
     out["mechanisms"] = {c: mechanism_verdicts(ds, tuple(k for of, k in ablated if of == c)) for c, ds in dirs.items()}
-    better_valid = {s: v for s, v in values[claim.better].items() if s not in failed[claim.better]}
-    out["controls"] = _controls(claim, base, better_valid, studies[claim.better] / claim.better)
     valid_values = {c: {s: v for s, v in values[c].items() if s not in failed[c]} for c in values}
+    out["controls"] = _controls(claim, base, valid_values[claim.better], studies[claim.better] / claim.better)
     _run_level_verdicts(claim, out, valid_values, {c: d / c for c, d in studies.items()}, base)
     gate = "; ".join(
         f"{c} seed {s} failed {', '.join(f)}" for c, seeds_failed in failed.items() for s, f in seeds_failed.items()
