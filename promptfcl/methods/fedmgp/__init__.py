@@ -107,7 +107,7 @@ from promptfcl.federation.protocol import (
     handles,
 )
 from promptfcl.methods.base import register_method
-from promptfcl.methods.base.fedavg import RoundServer
+from promptfcl.methods.base.fedavg import RoundServer, loss_scalars
 from promptfcl.methods.base.prompt_models import check_layers
 from promptfcl.methods.fedmgp.class_prefix import ClassPrefixPool
 from promptfcl.methods.fedmgp.model import (
@@ -220,7 +220,6 @@ def _ce(logits: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 class FedMGPClient(ClientProgram):
     """One round = phase 1 (global prompts + H_g) then phase 2 (local prompts + the task's local head)."""
 
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
@@ -312,8 +311,8 @@ class FedMGPClient(ClientProgram):
             upload.update(subset_state(model, GLOBAL_HEAD))
         scalars = {
             "num_samples": len(ctx.train_data),
-            **{k: final[k] for k in ("last_loss", "last_total", "chance_loss", "prior_loss") if k in final},
-            "loss": sum(losses) / len(losses) if losses else 0.0,
+            **loss_scalars(final),
+            "loss": sum(losses) / len(losses) if losses else 0.0,  # the mean over both phases
             "classes": list(space.tasks[ctx.stage].classes),
             **parameter_moves(before, self.private_trained(model)),
         }
