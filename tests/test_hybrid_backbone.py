@@ -106,3 +106,28 @@ def test_full_fine_tuning_on_the_hybrid_keeps_the_stem_frozen_cached_and_unexcha
     assert not torch.allclose(model.features(x), hybrid(x), atol=1e-4)  # the transformer copy trained
     for k, v in hybrid.vit.patch_embed.state_dict().items():  # the shared stem (BatchNorm buffers too) did not
         assert torch.equal(v, stem_before[k]), k
+
+
+@pytest.mark.parametrize(("augment", "cached"), [("flip", True), ("rrc_flip", False), ("crop_flip", False)])
+def test_local_training_caches_the_stem_only_for_inputs_that_repeat(hybrid, augment, cached) -> None:
+    """Random crops never repeat: training on them runs the stem batched and leaves the cache alone (filling it
+    would cost a per-image stem pass and memory nothing reads); flipped images repeat and are cached."""
+    from promptfcl.data.base import ImageSplit
+    from promptfcl.data.loader import LabeledSubset
+    from promptfcl.data.transforms import ImageTransform
+    from promptfcl.model import PromptedClassifier
+    from promptfcl.training.local import LocalTrainingParams, train_local
+
+    gen = torch.Generator().manual_seed(0)
+    split = ImageSplit(torch.randint(0, 256, (6, 3, 64, 64), dtype=torch.uint8, generator=gen), torch.arange(6) % 3)
+    data = LabeledSubset.of(split, range(6), torch.arange(3))
+    model = PromptedClassifier(hybrid, 3)
+    p = LocalTrainingParams(local_epochs=2, batch_size=3, lr=1e-3)
+    hybrid.stem_cache.store.clear()
+    misses = hybrid.stem_cache.misses
+    transform = ImageTransform(64, augment=augment)
+    stats = train_local(model, data, p, torch.ones(3, dtype=torch.bool), transform, gen, "cpu")
+    assert stats["steps"] == 4
+    assert (len(hybrid.stem_cache) > 0) is cached
+    assert (hybrid.stem_cache.misses > misses) is cached
+    assert hybrid.stem_cache is not None  # the pause ends with the loop

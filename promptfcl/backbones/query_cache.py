@@ -5,7 +5,8 @@ Pool methods (L2P, DualPrompt, CODA-P, HePCo's weighted pool, FedMGP) need q(x) 
 the backbone is frozen, so q is a pure function of the transformed input. The cache keys each sample by a hash
 of its exact input tensor: a repeated image under the same deterministic transform (no augmentation, or the
 same flip) is a hit across epochs, rounds, clients and evaluation; a randomly cropped image is a new key, so
-with `crop_flip` augmentation the cache only costs memory — configs turn it off there.
+with `crop_flip` / `rrc_flip` augmentation the cache only costs memory: pool methods' configs turn the query cache
+off there, and local training pauses the stem cache (`FrozenViT.stem_cache_paused`).
 
 A function that also depends on frozen-for-now trainable state (FedMGP's global-prompted query V(x'), with the
 global prompts frozen for a phase) passes that state's `version` with each call (`state_version`): entries are

@@ -37,6 +37,12 @@ class ImageTransform:
     rrc_scale: tuple[float, float] = (0.08, 1.0)
     rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
 
+    @property
+    def repeats(self) -> bool:
+        """Whether an augmented image can come out again (no augmentation, or a flip: two variants per image); a
+        random crop or shift gives a new input every time, so caching the frozen stem's output for it is useless."""
+        return self.augment in ("none", "flip")
+
     def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if self.augment == "none" or generator is None:
             x = self.resized(images)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from promptfcl.backbones.precision import LossScaler
+from promptfcl.backbones.vit import FrozenViT
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import Augment, ImageTransform
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
@@ -135,29 +137,36 @@ def train_local(
         else None
     )
     model.train()
+    backbone = getattr(model, "backbone", None)
+    uncached = (
+        backbone.stem_cache_paused()
+        if isinstance(backbone, FrozenViT) and not transform.repeats
+        else contextlib.nullcontext()
+    )
     mask = mask.to(device)
     scaler = LossScaler.for_model(model, device)  # fp16: dynamic loss scaling; otherwise plain backward / step
     # loss sums stay on the device (float64: the same sums as Python floats), read once: no sync per step on a GPU
     total = epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
     steps = epoch_steps = 0
-    for epoch in range(p.local_epochs):
-        epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
-        epoch_steps = 0
-        if p.lr_schedule == "coda_cosine":
-            for g in opt.param_groups:  # relative to each group's own lr
-                g["lr"] = g.setdefault("base_lr", g["lr"]) * coda_cosine_factor(epoch, p.local_epochs)
-        for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
-            terms = loss_fn(model, x, y, mask)
-            loss, ce = terms if isinstance(terms, LossTerms) else (terms, terms)
-            opt.zero_grad(set_to_none=True)
-            scaler.backward(loss)
-            scaler.step(opt, params, p.grad_clip)
-            if sched is not None:
-                sched.step()
-            value = loss.detach().double()
-            total, epoch_total = total + value, epoch_total + value
-            epoch_ce = epoch_ce + ce.detach().double()
-            steps, epoch_steps = steps + 1, epoch_steps + 1
+    with uncached:  # random crops never repeat: the frozen stem runs batched, its cache untouched
+        for epoch in range(p.local_epochs):
+            epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
+            epoch_steps = 0
+            if p.lr_schedule == "coda_cosine":
+                for g in opt.param_groups:  # relative to each group's own lr
+                    g["lr"] = g.setdefault("base_lr", g["lr"]) * coda_cosine_factor(epoch, p.local_epochs)
+            for x, y in data.batches(p.batch_size, transform, generator, shuffle=True, device=device):
+                terms = loss_fn(model, x, y, mask)
+                loss, ce = terms if isinstance(terms, LossTerms) else (terms, terms)
+                opt.zero_grad(set_to_none=True)
+                scaler.backward(loss)
+                scaler.step(opt, params, p.grad_clip)
+                if sched is not None:
+                    sched.step()
+                value = loss.detach().double()
+                total, epoch_total = total + value, epoch_total + value
+                epoch_ce = epoch_ce + ce.detach().double()
+                steps, epoch_steps = steps + 1, epoch_steps + 1
     model.eval()
     out = {
         "loss": float(total) / max(steps, 1),
