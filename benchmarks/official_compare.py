@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from promptfcl.evaluation.metrics import average_forgetting
-from promptfcl.statistics.paired import paired_difference
+from promptfcl.statistics.paired import PairedDifference, paired_difference
 
 PHASES = ("client", "server", "eval")
 TOLERANCE = 3.0  # points: a paired interval leaving ± this needs a measured cause (docs/official.md)
@@ -79,7 +79,11 @@ def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, d
     seeds = sorted(set(ours) & set(theirs))
     if not seeds:
         return f"### {cell}\n\nNo seed finished on both sides.\n"
-    diff = paired_difference({s: ours[s]["faa"] for s in seeds}, {s: theirs[s]["faa"] for s in seeds})
+    diffs = [ours[s]["faa"] - theirs[s]["faa"] for s in seeds]
+    if len(seeds) > 1:
+        diff = paired_difference({s: ours[s]["faa"] for s in seeds}, {s: theirs[s]["faa"] for s in seeds})
+    else:  # one pair: its difference, no interval
+        diff = PairedDifference(seeds, diffs, diffs[0], diffs[0], diffs[0], int(diffs[0] > 0))
     lines = [f"### {cell}", "", "| seed | promptfcl FAA | official FAA | difference | promptfcl forgetting | "
              "official forgetting |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for s in seeds:

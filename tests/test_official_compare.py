@@ -65,3 +65,12 @@ def test_an_official_file_without_the_phase_times_is_refused(compare, tmp_path: 
     (cell / "seed0.json").write_text(json.dumps({"faa": 1.0, "accuracy_matrix": [[1.0]], "rounds": [{}]}))
     with pytest.raises(SystemExit, match="client_cpu_seconds"):
         compare.main(["--promptfcl", str(tmp_path / "ours"), "--official", str(tmp_path / "theirs")])
+
+
+def test_a_single_paired_seed_gives_its_difference_without_an_interval(compare, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    write_ours(ours, 0, 48.82, [4.0], [1.0])
+    write_theirs(theirs, 0, 49.0, 10.0, evals=1)
+    text = compare.main(["--promptfcl", str(ours), "--official", str(theirs)])
+    assert "over 1 paired seeds: -0.18 (one seed: no interval)" in text
+    assert "| 0 | 48.82 | 49.00 | -0.18 |" in text
