@@ -79,11 +79,12 @@ def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, d
     seeds = sorted(set(ours) & set(theirs))
     if not seeds:
         return f"### {cell}\n\nNo seed finished on both sides.\n"
-    diffs = [ours[s]["faa"] - theirs[s]["faa"] for s in seeds]
+    a, b = {s: ours[s]["faa"] for s in seeds}, {s: theirs[s]["faa"] for s in seeds}
     if len(seeds) > 1:
-        diff = paired_difference({s: ours[s]["faa"] for s in seeds}, {s: theirs[s]["faa"] for s in seeds})
+        diff = paired_difference(a, b)
     else:  # one pair: its difference, no interval
-        diff = PairedDifference(seeds, diffs, diffs[0], diffs[0], diffs[0], int(diffs[0] > 0))
+        d = a[seeds[0]] - b[seeds[0]]
+        diff = PairedDifference(seeds, [d], d, d, d, int(d > 0))
     lines = [f"### {cell}", "", "| seed | promptfcl FAA | official FAA | difference | promptfcl forgetting | "
              "official forgetting |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for s in seeds:
