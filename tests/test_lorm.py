@@ -405,3 +405,20 @@ def test_no_layers_is_lorms_head_alone() -> None:
     heads, grams = ([r.tensors[k] for r in replies.values()] for k in ("head.weight", GRAM + "head"))
     want = regmean(heads, grams)
     assert torch.allclose(server.model.get_state()["head.weight"], want.to(torch.float32), atol=1e-5)
+
+
+def test_augmented_grams_run_the_stem_uncached_and_eval_grams_cache_it() -> None:
+    """`gram_images: train` with random crops: every image is new, so the Gram pass leaves the hybrid's stem cache
+    alone (the stem runs batched); the eval transform repeats its images and fills the cache."""
+    cfg = tiny_config(
+        method={"name": "lorm", "rank": 1, "layers": [0], "targets": ["qkv"], "augment": "rrc_flip"},
+        backbone={"name": "vit_tiny_hybrid_lite0", "img_size": 32, "kwargs": {"patch_size": 1, "depth": 1}},
+    )
+    hybrid = Runtime.build(cfg)
+    cache = hybrid.env.backbone.stem_cache
+    assert cache is not None
+    cache.store.clear()
+    client_grams(hybrid, lorm_client(hybrid, gram_images="train"))
+    assert len(cache) == 0
+    client_grams(hybrid, lorm_client(hybrid, gram_images="eval"))
+    assert len(cache) == 20

@@ -11,9 +11,9 @@ One instance is shared by every simulated client; it is always in eval mode and 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from promptfcl.backbones.precision import Precision, autocast
 from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta, PromptSpec
 from promptfcl.backbones.query_cache import QueryCache
 from promptfcl.config import BackboneConfig
+
+if TYPE_CHECKING:
+    from promptfcl.data.transforms import ImageTransform
 
 
 class BackboneError(RuntimeError):
@@ -303,3 +306,11 @@ def build_vit(cfg: BackboneConfig) -> FrozenViT:
                 f"unexpected {unexpected[:5]}"
             )
     return FrozenViT(model, cfg.stem_cache_mb if cfg.stem_cache else None)
+
+
+def stem_cache_for(backbone: object, transform: ImageTransform) -> AbstractContextManager[None]:
+    """The context to run `transform`'s images through `backbone` in: a `FrozenViT`'s stem cache paused when the
+    transform never repeats an input (a random crop), every other backbone and transform as it is."""
+    if isinstance(backbone, FrozenViT) and not transform.repeats:
+        return backbone.stem_cache_paused()
+    return nullcontext()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -13,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from promptfcl.backbones.precision import LossScaler
-from promptfcl.backbones.vit import FrozenViT
+from promptfcl.backbones.vit import stem_cache_for
 from promptfcl.data.loader import LabeledSubset
 from promptfcl.data.transforms import Augment, ImageTransform
 from promptfcl.scenario.label_space import TrainLogits, masked_logits
@@ -137,18 +136,12 @@ def train_local(
         else None
     )
     model.train()
-    backbone = getattr(model, "backbone", None)
-    uncached = (
-        backbone.stem_cache_paused()
-        if isinstance(backbone, FrozenViT) and not transform.repeats
-        else contextlib.nullcontext()
-    )
     mask = mask.to(device)
     scaler = LossScaler.for_model(model, device)  # fp16: dynamic loss scaling; otherwise plain backward / step
     # loss sums stay on the device (float64: the same sums as Python floats), read once: no sync per step on a GPU
     total = epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
     steps = epoch_steps = 0
-    with uncached:  # random crops never repeat: the frozen stem runs batched, its cache untouched
+    with stem_cache_for(getattr(model, "backbone", None), transform):  # random crops: the stem runs batched
         for epoch in range(p.local_epochs):
             epoch_total = epoch_ce = torch.zeros((), dtype=torch.float64, device=device)
             epoch_steps = 0

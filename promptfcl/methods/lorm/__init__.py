@@ -72,6 +72,7 @@ from torch import nn
 
 from promptfcl.adapters.lora import FixedDeltas, LoRAAdapter, Site, lora_spec, site_key, site_weight
 from promptfcl.backbones.prompt_spec import LORA_TARGETS, LoRADelta
+from promptfcl.backbones.vit import stem_cache_for
 from promptfcl.evaluation.validity import prompt_mechanism
 from promptfcl.federation.aggregation import weighted_mean
 from promptfcl.federation.message import Message, Record
@@ -233,10 +234,11 @@ class LoRMClient(SupervisedClient):
             transform, gen = self.env.train_transform(p.augment), torch_generator(ctx.seed, "gram")
         else:
             transform, gen = self.env.eval_transform, None
-        grams, head = input_grams(
-            lambda x: backbone(x, spec), modules, ctx.train_data, transform, ctx.device, diagonal,
-            generator=gen, passes=p.gram_passes,
-        )  # fmt: skip
+        with stem_cache_for(backbone, transform):  # augmented Grams: random crops never repeat, the stem runs batched
+            grams, head = input_grams(
+                lambda x: backbone(x, spec), modules, ctx.train_data, transform, ctx.device, diagonal,
+                generator=gen, passes=p.gram_passes,
+            )  # fmt: skip
         out = {GRAM + k: regularize_gram(g, p.gram_decay_backbone).to(dtype) for k, g in grams.items()}
         assert head is not None
         out[GRAM + "head"] = regularize_gram(head, p.gram_decay_head).to(dtype)
