@@ -1,10 +1,12 @@
-"""The hybrid backbone's stem cache: client-step and evaluation throughput with and without it, in one run.
+"""The hybrid backbone's stem cache and stem memory layout: client-step and evaluation throughput, in one run.
 
 The hybrid CPU backbone (`vit_tiny_hybrid_lite0`) puts a frozen EfficientNet-Lite0 stem before every prompt, so
 its output is cached per image (and flip). This script trains a prefix prompt + head (the HGP / FedAvg-Prompt client
 step: length 20 in layers 0–4, batch 16, Adam, flip augmentation) for a few epochs on real CIFAR-100 images and
 times each epoch with the cache off, and with it on (epoch 1 fills it, later epochs hit it); then a forward-only
-evaluation pass. Prints a table of images/s and the cached / uncached ratios, and writes JSON.
+evaluation pass. Prints a table of images/s and the cached / uncached ratios. A second table times the stem's
+memory layout (`backbone.stem_channels_last`) where the stem runs every time: training on random crops (`rrc_flip`,
+the cache paused) and an uncached evaluation forward, channels-last against the default layout. Writes JSON.
 
     PROMPTFCL_ASSETS=/path/to/assets python benchmarks/stem_cache.py --out benchmarks/results/stem_cache.json
 
@@ -40,19 +42,22 @@ def images(n: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     return torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8), torch.arange(n) % 10, "random"
 
 
-def backbone(cache: bool) -> tuple[torch.nn.Module, str]:
+def backbone(cache: bool, channels_last: bool = True) -> tuple[torch.nn.Module, str]:
     w = Path(os.environ.get("PROMPTFCL_ASSETS", "")) / "models" / "vit_tiny_hybrid_lite0_112_distilled.safetensors"
     cfg = BackboneConfig(name="vit_tiny_hybrid_lite0", img_size=112, stem_cache=cache,
-                         weights=str(w) if w.is_file() else None)  # fmt: skip
+                         stem_channels_last=channels_last, weights=str(w) if w.is_file() else None)  # fmt: skip
     return build_vit(cfg), "distilled weights" if w.is_file() else "random init"
 
 
-def train_epochs(cache: bool, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int) -> list[float]:
-    bb, _ = backbone(cache)
+def train_epochs(
+    cache: bool, x: torch.Tensor, y: torch.Tensor, epochs: int, batch: int, augment: str = "flip",
+    channels_last: bool = True,
+) -> list[float]:  # fmt: skip
+    bb, _ = backbone(cache, channels_last)
     torch.manual_seed(0)
     model = PromptedClassifier(bb, 10, PrefixPrompt(192, [0, 1, 2, 3, 4], 20, "uniform"))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    tf = ImageTransform(112, augment="flip")
+    tf = ImageTransform(112, augment=augment)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(0)
     rates = []
     for _ in range(epochs):
@@ -69,8 +74,8 @@ def train_epochs(cache: bool, x: torch.Tensor, y: torch.Tensor, epochs: int, bat
 
 
 @torch.no_grad()
-def eval_passes(cache: bool, x: torch.Tensor, passes: int) -> list[float]:
-    bb, _ = backbone(cache)
+def eval_passes(cache: bool, x: torch.Tensor, passes: int, channels_last: bool = True) -> list[float]:
+    bb, _ = backbone(cache, channels_last)
     tf = ImageTransform(112)
     rates = []
     for _ in range(passes):
@@ -113,6 +118,16 @@ def main() -> None:
         "rows": [{"what": n, "no_cache": r_off, "cache": r_on, "ratio": r_on / r_off} for n, r_off, r_on in rows],
         "train_epochs": {"no_cache": off, "cache": on},
     }
+    layout = [
+        ("client step on random crops (stem uncached)",
+         *(sum(train_epochs(False, x, y, 2, 16, "rrc_flip", cl)) / 2 for cl in (False, True))),
+        ("evaluation forward (stem uncached)", *(eval_passes(False, x, 2, cl)[1] for cl in (False, True))),
+    ]  # fmt: skip
+    print(f"\n{'stem layout':46} {'default img/s':>15} {'NHWC img/s':>12} {'ratio':>6}")
+    for name, r_off, r_on in layout:
+        print(f"{name:46} {r_off:15.1f} {r_on:12.1f} {r_on / r_off:6.2f}")
+    result["stem_layout"] = [{"what": n, "default": a_, "channels_last": b_, "ratio": b_ / a_} for n, a_, b_ in layout]
+    result["load_average_after"] = os.getloadavg()
     print(f"load average before {load_before}, after {result['load_average_after']}")
     if a.out:
         a.out.write_text(json.dumps(result, indent=2))

@@ -380,6 +380,11 @@ class BackboneConfig(StrictModel):
         True, description="hybrid backbones (a frozen CNN stem before the ViT): cache the stem's output per image"
     )
     stem_cache_mb: float = Field(4096, gt=0, description="memory the stem cache may fill (float32 token maps)")
+    stem_channels_last: bool = Field(
+        True,
+        description="hybrid backbones: run the frozen CNN stem in channels-last memory format (about 1.3x faster on "
+        "CPU; its output differs from the default layout's at float rounding, about 1e-5)",
+    )
 
     @field_validator("weights")
     @classmethod

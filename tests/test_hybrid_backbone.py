@@ -61,7 +61,7 @@ def test_prompts_disabled_gives_the_prompt_free_timm_output(hybrid) -> None:
 
 
 def test_hybrid_loads_a_full_checkpoint_strictly(tmp_path, hybrid) -> None:
-    state = {k: v.clone() + 0.01 for k, v in hybrid.vit.state_dict().items() if v.is_floating_point()}
+    state = {k: v.contiguous() + 0.01 for k, v in hybrid.vit.state_dict().items() if v.is_floating_point()}
     save_file(state, str(tmp_path / "hybrid.safetensors"))
     loaded = build_vit(HYBRID.model_copy(update={"weights": str(tmp_path / "hybrid.safetensors")}))
     for k, v in state.items():
@@ -131,3 +131,15 @@ def test_local_training_caches_the_stem_only_for_inputs_that_repeat(hybrid, augm
     assert (len(hybrid.stem_cache) > 0) is cached
     assert (hybrid.stem_cache.misses > misses) is cached
     assert hybrid.stem_cache is not None  # the pause ends with the loop
+
+
+def test_channels_last_stem_gives_the_default_layouts_features(hybrid) -> None:
+    """The stem runs in channels-last memory format by default (faster on a CPU); its features equal the default
+    layout's up to float rounding, and `stem_channels_last: false` keeps the default layout."""
+    plain = build_vit(HYBRID.model_copy(update={"stem_channels_last": False, "stem_cache": False}))
+    conv = hybrid.vit.patch_embed.backbone.conv_stem.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert plain.vit.patch_embed.backbone.conv_stem.weight.is_contiguous()
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), hybrid.stem_cache_paused():
+        torch.testing.assert_close(hybrid(x), plain(x), rtol=1e-4, atol=1e-4)
