@@ -138,7 +138,7 @@ class FrozenViT(nn.Module):
     `configure(precision, compile)`: `engine.precision` / `engine.compile` (set by the runtime).
     """
 
-    def __init__(self, vit: nn.Module, stem_cache_mb: float | None = None, stem_channels_last: bool = False) -> None:
+    def __init__(self, vit: nn.Module, stem_cache_mb: float | None = None, stem_channels_last: bool = True) -> None:
         super().__init__()
         from timm.models.vision_transformer import Block, VisionTransformer
 
