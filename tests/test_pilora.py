@@ -265,6 +265,44 @@ def test_train_logits_all_lets_future_prototypes_compete(runtime: Runtime) -> No
         assert got == pytest.approx(want, rel=1e-5), which
 
 
+@pytest.mark.parametrize("which", ["seen", "all"])
+def test_train_logits_all_competes_with_the_servers_later_prototypes(runtime: Runtime, monkeypatch, which) -> None:
+    """With `train_logits: all` the server also sends the later tasks' prototypes (pilora3 sends its whole prototype
+    dict), and the client's DCE competes with those rows, not with its own working model's random ones; with `seen`
+    nothing of later tasks travels and they never enter the loss."""
+    from promptfcl.data.loader import LabeledSubset
+    from promptfcl.federation.message import Record
+    from promptfcl.federation.protocol import ClientContext, RoundInfo
+
+    server, client = runtime.programs()
+    for program in (server, client):
+        program.params = program.params.model_copy(update={"train_logits": which, "local_epochs": 1})
+    server.begin_stage(0)
+    message = server.downlink(RoundInfo(0, 0, (0,)))
+    space, num_tasks = runtime.env.label_space, runtime.env.label_space.num_tasks
+    later = {f"protos.{t}" for t in range(1, num_tasks)}
+    assert later <= set(message.tensors) if which == "all" else not later & set(message.tensors)
+    rows_in_loss = []
+    distances = PrototypeLoRAClassifier.distances
+
+    def spy(model, f):
+        rows_in_loss.append(model.prototypes().detach().clone())
+        return distances(model, f)
+
+    monkeypatch.setattr(PrototypeLoRAClassifier, "distances", spy)
+    classes = [int(c) for t in runtime.scenario.task_classes for c in t]
+    class_to_logit = torch.full((max(classes) + 1,), -1, dtype=torch.long)
+    class_to_logit[classes] = torch.arange(len(classes))
+    train = runtime.dataset.train
+    idx = [i for i, c in enumerate(train.targets.tolist()) if c in classes[: len(space.tasks[0].logits)]][:8]
+    ctx = ClientContext(0, 0, 0, Record(), LabeledSubset.of(train, idx, class_to_logit), 0, torch.device("cpu"))
+    client.handle_train(message, ctx)
+    later_rows = [j for t in space.tasks[1:] for j in t.logits]
+    server_rows = server.model.prototypes().detach()[later_rows]
+    assert rows_in_loss
+    assert all(torch.equal(r[later_rows], server_rows) == (which == "all") for r in rows_in_loss)
+
+
 def test_train_batch_class_means_average_every_feature_the_loss_saw(runtime: Runtime) -> None:
     """`class_means: train_batches` (both official codes): a class's uploaded mean is the mean of every feature the
     training loss computed for it over the round's batches, and a class seen fewer than `class_means_min_visits`

@@ -57,7 +57,9 @@ and the bar keeps its meaning: a model that ignores the image cannot go below th
 Deviations: [C]'s early stopping on test accuracy and per-round re-drawn client data are not reproduced (the
 scenario fixes the partition); [C] sums only task 0's and the current task's factors in its global model (an
 indexing bug), we sum every seen task. What travels: down the seen tasks' LoRA and prototypes; up task t's LoRA,
-its prototypes and the class means (`stats/`, with counts) — nothing of future tasks.
+its prototypes and the class means (`stats/`, with counts) — nothing of future tasks, except that with
+`train_logits: all` the server also sends the later tasks' prototypes, as pilora3 does, so that every client's DCE
+competes with the server's rows rather than with its own random ones.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class PILoRAParams(LocalTrainingParams):
     local_epochs: int = Field(10, gt=0)
     batch_size: int = Field(64, gt=0)
     train_logits: TrainLogits = Field(
-        "seen", description="prototypes competing in l_dce: seen tasks' (paper), all (pilora3: future random ones too)"
+        "seen",
+        description="prototypes competing in l_dce: seen tasks' (paper), all (pilora3: the server's later-task ones "
+        "too, sent with every round)",
     )
     rank: int = Field(4, ge=1)
     layers: list[int] = Field(
@@ -187,6 +191,17 @@ def seen_tensors(model: PrototypeLoRAClassifier, task: int) -> list[str]:
     return [k for t in range(task + 1) for k in model.task_tensors(t)]
 
 
+def downlink_tensors(model: PrototypeLoRAClassifier, task: int, train_logits: TrainLogits) -> list[str]:
+    """What the server sends for `task`: the seen tasks' LoRA and prototypes; with `train_logits: all` also the later
+    tasks' prototypes, the rows the clients' DCE competes with. pilora3 sends its whole prototype dict
+    (`get_server_info`), so those rows are the server's own, the same on every client, and each later task starts
+    training from the prototypes the earlier tasks' features were pushed away from."""
+    names = seen_tensors(model, task)
+    if train_logits == "all":
+        names += [f"protos.{t}" for t in range(task + 1, len(model.protos))]
+    return names
+
+
 class PILoRAClient(SupervisedClient):
     """Trains task t's LoRA and prototypes (DCE + PL + orthogonality + L1); uploads them with class means."""
 
@@ -194,8 +209,8 @@ class PILoRAClient(SupervisedClient):
     def handle_train(self, message: Message, ctx: ClientContext) -> Message:
         model = self.model
         state = model.state_dict()
-        with torch.no_grad():
-            for k in seen_tensors(model, ctx.stage):  # only the seen tasks travel; later tasks are never used
+        with torch.no_grad():  # the seen tasks (and, with train_logits: all, the later tasks' prototypes)
+            for k in downlink_tensors(model, ctx.stage, self.params.train_logits):
                 state[k].copy_(message.tensors[k])
         model.set_task(ctx.stage)
         stats = self.train(model, ctx, message)
@@ -272,7 +287,8 @@ class PILoRAServer(RoundServer):
 
     def downlink(self, info: RoundInfo) -> Message:
         state = self.model.state_dict()
-        return Message({k: state[k].detach().clone() for k in seen_tensors(self.model, info.stage)}, kind="train")
+        names = downlink_tensors(self.model, info.stage, self.params.train_logits)
+        return Message({k: state[k].detach().clone() for k in names}, kind="train")
 
     def aggregate(self, replies: dict[int, Message]) -> dict[str, float]:
         metrics = {}
