@@ -66,7 +66,8 @@ def atomic_save_tensors(
     """`atomic_write_bytes` of a safetensors file, written from the tensors' own memory (no bytes copy of the whole
     checkpoint is built, so a checkpoint of many client states costs no second copy of them)."""
     tmp = path.with_name(path.name + ".tmp")
-    st_save_file(tensors, str(tmp), metadata=metadata)
+    # safetensors refuses strided tensors (e.g. a channels-last conv weight); contiguous() copies only those
+    st_save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     _replace(tmp, path, keep_previous)

@@ -181,3 +181,16 @@ def test_a_crash_between_checkpoint_and_round_log_is_repaired_on_resume(referenc
     log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))  # the last line never got written
     assert comparable(resume(run_dir)) == comparable(expected)
     assert len(log.read_text().splitlines()) == ROUNDS
+
+
+def test_checkpoint_writer_saves_strided_tensors(tmp_path: Path) -> None:
+    """A channels-last tensor (the hybrid's stem weights) is saved as its values: safetensors alone refuses it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from promptfcl.checkpoint import atomic_save_tensors
+
+    w = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert not w.is_contiguous()
+    atomic_save_tensors(tmp_path / "t.safetensors", {"w": w}, {})
+    assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["w"], w)

@@ -187,16 +187,12 @@ def build_model(env: MethodEnv, p: PILoRAParams) -> PrototypeLoRAClassifier:
     return PrototypeLoRAClassifier(env, p)
 
 
-def seen_tensors(model: PrototypeLoRAClassifier, task: int) -> list[str]:
-    return [k for t in range(task + 1) for k in model.task_tensors(t)]
-
-
 def downlink_tensors(model: PrototypeLoRAClassifier, task: int, train_logits: TrainLogits) -> list[str]:
     """What the server sends for `task`: the seen tasks' LoRA and prototypes; with `train_logits: all` also the later
     tasks' prototypes, the rows the clients' DCE competes with. pilora3 sends its whole prototype dict
     (`get_server_info`), so those rows are the server's own, the same on every client, and each later task starts
     training from the prototypes the earlier tasks' features were pushed away from."""
-    names = seen_tensors(model, task)
+    names = [k for t in range(task + 1) for k in model.task_tensors(t)]
     if train_logits == "all":
         names += [f"protos.{t}" for t in range(task + 1, len(model.protos))]
     return names
