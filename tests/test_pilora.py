@@ -290,12 +290,8 @@ def test_train_logits_all_competes_with_the_servers_later_prototypes(runtime: Ru
         return distances(model, f)
 
     monkeypatch.setattr(PrototypeLoRAClassifier, "distances", spy)
-    classes = [int(c) for t in runtime.scenario.task_classes for c in t]
-    class_to_logit = torch.full((max(classes) + 1,), -1, dtype=torch.long)
-    class_to_logit[classes] = torch.arange(len(classes))
-    train = runtime.dataset.train
-    idx = [i for i, c in enumerate(train.targets.tolist()) if c in classes[: len(space.tasks[0].logits)]][:8]
-    ctx = ClientContext(0, 0, 0, Record(), LabeledSubset.of(train, idx, class_to_logit), 0, torch.device("cpu"))
+    data = LabeledSubset.of(runtime.dataset.train, runtime.scenario.client_indices(0, 0)[:8], space.class_to_logit)
+    ctx = ClientContext(0, 0, 0, Record(), data, 0, torch.device("cpu"))
     client.handle_train(message, ctx)
     later_rows = [j for t in space.tasks[1:] for j in t.logits]
     server_rows = server.model.prototypes().detach()[later_rows]
