@@ -527,7 +527,17 @@ class ExperimentConfig(StrictModel):
     """One run: data × scenario × backbone × method × engine, with a seed."""
 
     name: str | None = None
-    seed: int = 0
+    seed: int = Field(
+        0,
+        description="seed of the scenario (data subsample, class order, partition) and, unless "
+        "train_seed is set, of the training randomness",
+    )
+    train_seed: int | None = Field(
+        None,
+        description="seed of the training randomness only (initialisation, client batches and augmentation, server "
+        "draws); default: seed. Runs that differ only in train_seed share the scenario, so their spread is the "
+        "run-to-run noise of training",
+    )
     output_dir: str = "results"
     data: DataConfig = Field(default_factory=DataConfig)
     scenario: ScenarioConfig = Field(default_factory=ScenarioConfig)
@@ -538,6 +548,10 @@ class ExperimentConfig(StrictModel):
 
     def run_name(self) -> str:
         return self.name or f"{self.method.name}_{self.data.name}_seed{self.seed}"
+
+    def training_seed(self) -> int:
+        """The seed of the training randomness: `train_seed` when set, else `seed`."""
+        return self.seed if self.train_seed is None else self.train_seed
 
 
 # --------------------------------------------------------------------------------------------- loading

@@ -71,7 +71,12 @@ class Experiment:
         self.server, self.client = rt.programs()
         if self.grid_factory is None:
             self.grid: Grid = InProcessGrid(
-                self.client, self.scenario, self.dataset.train, self.cfg.seed, self.device, on_reply=self._on_reply
+                self.client,
+                self.scenario,
+                self.dataset.train,
+                self.cfg.training_seed(),
+                self.device,
+                on_reply=self._on_reply,
             )
         else:
             self.grid = self.grid_factory(rt)
@@ -264,6 +269,7 @@ class Experiment:
             "method": self.spec.name,
             "run": self.cfg.run_name(),
             "seed": self.cfg.seed,
+            "train_seed": self.cfg.training_seed(),
             **self.regime.finish(self.state),
             "communication": {
                 "bytes_up": up,

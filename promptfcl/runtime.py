@@ -326,8 +326,8 @@ class Runtime:
             for c, j in zip(t.classes, t.logits, strict=True):
                 names[j] = dataset.class_names[c]
         env = MethodEnv(
-            backbone, scenario.label_space, eval_tf, device, cfg.seed, schedule=scenario.schedule, class_names=names,
-            num_clients=scenario.num_clients, rounds_per_task=scenario.rounds_per_task,
+            backbone, scenario.label_space, eval_tf, device, cfg.training_seed(), schedule=scenario.schedule,
+            class_names=names, num_clients=scenario.num_clients, rounds_per_task=scenario.rounds_per_task,
         )  # fmt: skip
         if scenario.personalized:  # clients hold only train-split images: the test split is data no client holds
             env.server_split = dataset.test

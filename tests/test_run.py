@@ -53,6 +53,23 @@ def test_run_writes_every_result_and_is_deterministic(tmp_path: Path, method: st
     assert A[0][0] > 50.0
 
 
+def test_train_seed_changes_training_but_not_the_scenario(tmp_path: Path) -> None:
+    """`train_seed` re-runs the same scenario (data, class order, partition) with other training randomness;
+    left unset it is `seed`, so runs without it are unchanged."""
+    cfg = tiny_config(scenario={"num_tasks": 1, "rounds_per_task": 1})
+    base = Experiment(cfg, tmp_path / "a", show_progress=False).run()
+    same = Experiment(cfg.model_copy(update={"train_seed": 0}), tmp_path / "b", show_progress=False).run()
+    other = Experiment(cfg.model_copy(update={"train_seed": 7}), tmp_path / "c", show_progress=False).run()
+    assert comparable(same) == comparable(base)
+    assert base["train_seed"] == 0 and other["train_seed"] == 7 and other["seed"] == 0
+    scenario = {d: json.loads((tmp_path / d / "scenario.json").read_text()) for d in "ac"}
+    assert scenario["a"] == scenario["c"]
+    from promptfcl.runtime import Runtime
+
+    state = {d: Runtime.restore_server(tmp_path / d)[1].state().tensors for d in "ac"}
+    assert not torch.equal(state["a"]["prompt.prompts"], state["c"]["prompt.prompts"])
+
+
 def test_fedvit_rejects_prompt_keys(tmp_path: Path) -> None:
     from promptfcl.config import ConfigError
 

@@ -53,7 +53,14 @@ def client_step(run_config: Mapping[str, Any], partition_id: int, content: Recor
     rt, client = runtime_for(run_config)
     record = load_state(state)
     reply = run_client(
-        client, from_record_dict(content), partition_id, record, rt.scenario, rt.dataset.train, rt.cfg.seed, rt.device
+        client,
+        from_record_dict(content),
+        partition_id,
+        record,
+        rt.scenario,
+        rt.dataset.train,
+        rt.cfg.training_seed(),
+        rt.device,
     )
     store_state(state, record)
     return to_record_dict(reply)
