@@ -13,6 +13,11 @@ launched the official code, with:
   `eval_cpu_seconds` (process CPU seconds of that phase), `evaluations` (how many evaluations the eval seconds
   cover) and `loss` (the clients' mean training loss, or null).
 
+`--rerun CELL=OTHER` names a promptfcl cell that re-runs CELL on the same scenarios with other training randomness
+(`train_seed`): the table then also gives the paired CELL − OTHER difference, the spread two runs of one code show,
+and the standard deviations of both sets of differences — the yardstick for whether promptfcl and the official code
+differ by more than run-to-run noise.
+
 Per cell it prints the per-seed FAA on both sides, the paired promptfcl − official difference with its 95 % t
 interval (flagged when the interval leaves ± 3 points), forgetting, and CPU seconds per round for the client,
 server and evaluation phases on both sides (evaluation per evaluation, since the two loops may evaluate a different
@@ -51,6 +56,15 @@ def promptfcl_run(run: Path) -> dict[str, Any]:
     }
 
 
+def study_cell(cell_dir: Path) -> dict[int, dict[str, Any]]:
+    """The finished promptfcl runs of one study cell, by seed."""
+    return {
+        int(d.name[4:]): promptfcl_run(d)
+        for d in sorted(cell_dir.glob("seed*"))
+        if d.is_dir() and d.name[4:].isdigit() and (d / "metrics.json").is_file()
+    }
+
+
 def official_run(path: Path) -> dict[str, Any]:
     """An official run's result file, checked for the fields the table reads."""
     data = json.loads(path.read_text())
@@ -74,8 +88,34 @@ def per_round(runs: list[dict[str, Any]], phase: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, dict[str, Any]]) -> str:
-    """One cell's Markdown section (seeds both sides finished)."""
+def rerun_lines(
+    cell: str, other: str, ours: dict[int, dict[str, Any]], rerun: dict[int, dict[str, Any]], versus: PairedDifference
+) -> list[str]:
+    """The run-to-run control: CELL − OTHER (same scenarios, other training seed) beside promptfcl − official."""
+    seeds = sorted(set(ours) & set(rerun))
+    if len(seeds) < 2:
+        return [f"Run-to-run control ({cell} − {other}): fewer than 2 seeds finished on both.", ""]
+    ctrl = paired_difference({s: ours[s]["faa"] for s in seeds}, {s: rerun[s]["faa"] for s in seeds})
+    per_seed = ", ".join(f"{s}: {rerun[s]['faa']:.2f} ({d:+.2f})" for s, d in zip(seeds, ctrl.differences, strict=True))
+    sd = statistics.stdev(versus.differences) if versus.n > 1 else float("nan")
+    return [
+        f"Run-to-run control, {cell} − {other} (the same scenarios, other training randomness) over {ctrl.n} "
+        f"paired seeds: {ctrl.mean:+.2f} [{ctrl.low:+.2f}, {ctrl.high:+.2f}]; {other} FAA (difference) per seed: "
+        f"{per_seed}.",
+        f"Standard deviation of the per-seed differences: promptfcl − official {sd:.2f}, "
+        f"{cell} − {other} {statistics.stdev(ctrl.differences):.2f}.",
+        "",
+    ]
+
+
+def compare_cell(
+    cell: str,
+    ours: dict[int, dict[str, Any]],
+    theirs: dict[int, dict[str, Any]],
+    rerun: tuple[str, dict[int, dict[str, Any]]] | None = None,
+) -> str:
+    """One cell's Markdown section (seeds both sides finished), with the run-to-run control when `rerun` names
+    the cell re-run with other training randomness and its runs."""
     seeds = sorted(set(ours) & set(theirs))
     if not seeds:
         return f"### {cell}\n\nNo seed finished on both sides.\n"
@@ -97,6 +137,8 @@ def compare_cell(cell: str, ours: dict[int, dict[str, Any]], theirs: dict[int, d
     interval = f"[{diff.low:+.2f}, {diff.high:+.2f}]" if diff.n > 1 else "(one seed: no interval)"
     lines += ["", f"promptfcl − official FAA over {diff.n} paired seeds: {diff.mean:+.2f} {interval}"
               + (f" — leaves ± {TOLERANCE:g} points: needs a measured cause" if outside else ""), ""]  # fmt: skip
+    if rerun is not None:
+        lines += rerun_lines(cell, rerun[0], ours, rerun[1], diff)
     lines += ["| CPU seconds | promptfcl | official | promptfcl / official |", "| --- | --- | --- | --- |"]
     for phase in PHASES:
         a, b = per_round([ours[s] for s in seeds], phase), per_round([theirs[s] for s in seeds], phase)
@@ -110,16 +152,24 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--promptfcl", type=Path, required=True, help="study directory of official_side_by_side.yaml")
     ap.add_argument("--official", type=Path, required=True, help="<cell>/seed<k>.json of the official runs")
     ap.add_argument("--out", type=Path, help="also write the table here (Markdown)")
+    ap.add_argument(
+        "--rerun",
+        action="append",
+        default=[],
+        metavar="CELL=OTHER",
+        help="promptfcl cell OTHER re-runs CELL with other training randomness: add the run-to-run control",
+    )
     args = ap.parse_args(argv)
+    reruns = dict(item.split("=", 1) for item in args.rerun if "=" in item)
+    if len(reruns) != len(args.rerun):
+        raise SystemExit("--rerun takes CELL=OTHER, e.g. --rerun hepco=hepco_train_seed")
     sections = []
     for cell_dir in sorted(p for p in args.official.iterdir() if p.is_dir()):
         theirs = {int(f.stem[4:]): official_run(f) for f in sorted(cell_dir.glob("seed*.json"))}
-        ours = {
-            int(d.name[4:]): promptfcl_run(d)
-            for d in sorted((args.promptfcl / cell_dir.name).glob("seed*"))
-            if d.is_dir() and (d / "metrics.json").is_file()
-        }
-        sections.append(compare_cell(cell_dir.name, ours, theirs))
+        ours = study_cell(args.promptfcl / cell_dir.name)
+        other = reruns.get(cell_dir.name)
+        rerun = (other, study_cell(args.promptfcl / other)) if other else None
+        sections.append(compare_cell(cell_dir.name, ours, theirs, rerun))
     text = "\n".join(sections) if sections else f"no official results under {args.official}\n"
     if args.out:
         args.out.write_text(text)

@@ -15,8 +15,10 @@ def compare():
     return load_benchmark("official_compare")
 
 
-def write_ours(root: Path, seed: int, faa: float, client_cpu: list[float], eval_cpu: list[float]) -> None:
-    run = root / "lorm" / f"seed{seed}"
+def write_ours(
+    root: Path, seed: int, faa: float, client_cpu: list[float], eval_cpu: list[float], cell: str = "lorm"
+) -> None:
+    run = root / cell / f"seed{seed}"
     run.mkdir(parents=True)
     matrix = [[faa + 10], [faa - 5, faa + 5]]  # last row's mean = faa
     (run / "metrics.json").write_text(json.dumps({"summary": {"faa": faa}, "accuracy_matrix": matrix}))
@@ -74,3 +76,18 @@ def test_a_single_paired_seed_gives_its_difference_without_an_interval(compare, 
     text = compare.main(["--promptfcl", str(ours), "--official", str(theirs)])
     assert "over 1 paired seeds: -0.18 (one seed: no interval)" in text
     assert "| 0 | 48.82 | 49.00 | -0.18 |" in text
+
+
+def test_the_rerun_control_pairs_a_cell_with_its_other_training_seed(compare, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for seed, (a, b, again) in enumerate([(50.0, 49.0, 47.0), (52.0, 50.5, 53.0), (51.0, 50.5, 51.0)]):
+        write_ours(ours, seed, a, [4.0], [1.0])
+        write_theirs(theirs, seed, b, 10.0, evals=1)
+        write_ours(ours, seed, again, [4.0], [1.0], cell="lorm_rerun")
+    text = compare.main(["--promptfcl", str(ours), "--official", str(theirs), "--rerun", "lorm=lorm_rerun"])
+    # lorm − lorm_rerun: +3, −1, 0 → mean +0.67, sd 2.08; lorm − official: +1, +1.5, +0.5 → sd 0.50
+    assert "lorm − lorm_rerun (the same scenarios, other training randomness) over 3 paired seeds: +0.67" in text
+    assert "0: 47.00 (+3.00), 1: 53.00 (-1.00), 2: 51.00 (+0.00)" in text
+    assert "promptfcl − official 0.50, lorm − lorm_rerun 2.08." in text
+    with pytest.raises(SystemExit, match="CELL=OTHER"):
+        compare.main(["--promptfcl", str(ours), "--official", str(theirs), "--rerun", "lorm"])
