@@ -18,6 +18,9 @@ launched the official code, with:
 and the standard deviations of both sets of differences — the yardstick for whether promptfcl and the official code
 differ by more than run-to-run noise.
 
+`--timing-seeds 0,1,2,3` restricts the CPU-seconds rows to those seeds, for when some seeds' two sides were timed in
+different sessions (CPU time depends on the machine and its load, so only pairs timed side by side compare).
+
 Per cell it prints the per-seed FAA on both sides, the paired promptfcl − official difference with its 95 % t
 interval (flagged when the interval leaves ± 3 points), forgetting, and CPU seconds per round for the client,
 server and evaluation phases on both sides (evaluation per evaluation, since the two loops may evaluate a different
@@ -113,6 +116,7 @@ def compare_cell(
     ours: dict[int, dict[str, Any]],
     theirs: dict[int, dict[str, Any]],
     rerun: tuple[str, dict[int, dict[str, Any]]] | None = None,
+    timing_seeds: set[int] | None = None,
 ) -> str:
     """One cell's Markdown section (seeds both sides finished), with the run-to-run control when `rerun` names
     the cell re-run with other training randomness and its runs."""
@@ -139,9 +143,12 @@ def compare_cell(
               + (f" — leaves ± {TOLERANCE:g} points: needs a measured cause" if outside else ""), ""]  # fmt: skip
     if rerun is not None:
         lines += rerun_lines(cell, rerun[0], ours, rerun[1], diff)
+    timed = [s for s in seeds if timing_seeds is None or s in timing_seeds]
+    if timing_seeds is not None:
+        lines += [f"CPU seconds over seeds {', '.join(map(str, timed))} (both sides timed in one session):", ""]
     lines += ["| CPU seconds | promptfcl | official | promptfcl / official |", "| --- | --- | --- | --- |"]
     for phase in PHASES:
-        a, b = per_round([ours[s] for s in seeds], phase), per_round([theirs[s] for s in seeds], phase)
+        a, b = per_round([ours[s] for s in timed], phase), per_round([theirs[s] for s in timed], phase)
         label = "per evaluation" if phase == "eval" else "per round"
         lines.append(f"| {phase} {label} | {a:.2f} | {b:.2f} | {a / b if b else float('nan'):.2f} |")
     return "\n".join(lines) + "\n"
@@ -159,7 +166,12 @@ def main(argv: list[str] | None = None) -> str:
         metavar="CELL=OTHER",
         help="promptfcl cell OTHER re-runs CELL with other training randomness: add the run-to-run control",
     )
+    ap.add_argument("--timing-seeds", help="comma-separated seeds whose CPU seconds are compared (default: all)")
     args = ap.parse_args(argv)
+    try:
+        timing = {int(x) for x in args.timing_seeds.split(",")} if args.timing_seeds else None
+    except ValueError:
+        raise SystemExit(f"--timing-seeds {args.timing_seeds!r}: give comma-separated integers, e.g. 0,1,2") from None
     reruns = dict(item.split("=", 1) for item in args.rerun if "=" in item)
     if len(reruns) != len(args.rerun):
         raise SystemExit("--rerun takes CELL=OTHER, e.g. --rerun hepco=hepco_train_seed")
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> str:
         ours = study_cell(args.promptfcl / cell_dir.name)
         other = reruns.get(cell_dir.name)
         rerun = (other, study_cell(args.promptfcl / other)) if other else None
-        sections.append(compare_cell(cell_dir.name, ours, theirs, rerun))
+        sections.append(compare_cell(cell_dir.name, ours, theirs, rerun, timing))
     text = "\n".join(sections) if sections else f"no official results under {args.official}\n"
     if args.out:
         args.out.write_text(text)

@@ -91,3 +91,15 @@ def test_the_rerun_control_pairs_a_cell_with_its_other_training_seed(compare, tm
     assert "promptfcl − official 0.50, lorm − lorm_rerun 2.08." in text
     with pytest.raises(SystemExit, match="CELL=OTHER"):
         compare.main(["--promptfcl", str(ours), "--official", str(theirs), "--rerun", "lorm"])
+
+
+def test_timing_seeds_restrict_the_cpu_rows_only(compare, tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for seed, client in enumerate([10.0, 10.0, 40.0]):  # seed 2's two sides ran in other sessions
+        write_ours(ours, seed, 50.0 + seed, [5.0 if seed < 2 else 20.0], [1.0])
+        write_theirs(theirs, seed, 50.0, client, evals=1)
+    text = compare.main(["--promptfcl", str(ours), "--official", str(theirs), "--timing-seeds", "0,1"])
+    assert "over 3 paired seeds: +1.00" in text  # accuracy still pairs every seed
+    assert "CPU seconds over seeds 0, 1" in text
+    row = next(line for line in text.splitlines() if line.startswith("| client per round"))
+    assert row.split("|")[2:5] == [" 5.00 ", " 10.00 ", " 0.50 "]
