@@ -27,7 +27,9 @@ check: a verdict that only holds without it is inconclusive. Before any verdict:
 must have run the identical `scenario.json` (a missing one is an error), and the paired runs must come from one
 clean code version (`environment.json` → the commit's git trees of `promptfcl/` and `configs/`, so a commit that
 only adds a seed to a study does not split them), unless `provenance_note` says why the versions that differ are
-safe. A claim can only be *reproduced* when both cells' mechanisms help in their own runs (their
+safe. A claim whose runs fail only the gate's learning checks at the largest budget that fits this machine, and
+that declares why more rounds do not fit (`budget_limit`), is *inconclusive* rather than *invalid*. A claim can only
+be *reproduced* when both cells' mechanisms help in their own runs (their
 `*_mechanism` checks, McNemar pooled over the paired seeds, `helps`; or a run-level ablation control's paired
 difference, `RUN_LEVEL_RULE`) and the worse cell beats its own head-only control
 (`controls: [{role: head_only, …}]`): otherwise the better cell would beat an inert peer. Values are read from
@@ -103,6 +105,12 @@ class Claim(StrictModel):
     unavailable: str | None = Field(
         None, description="why no valid evidence can be produced here (the claim is then `invalid` with this reason)"
     )
+    budget_limit: str | None = Field(
+        None,
+        description="why neither cell can be given more rounds or epochs on this machine; a claim whose runs fail "
+        "only the gate's learning checks (LEARNING_CHECKS) at the budget that fits is then `inconclusive` with this "
+        "reason instead of `invalid`",
+    )
 
 
 class ClaimsFile(StrictModel):
@@ -149,9 +157,11 @@ STATUSES = {
     "not reproduced": "the interval lies below 0: the opposite ordering holds",
     "inconclusive": "the interval contains 0, fewer paired seeds than the verdict needs, the verdict changes when the "
     "seeds that failed the gate are put back, or the ordering holds but "
-    "a cell's mechanism is neutral or hurts in its own runs, or the worse cell does not beat its head-only control "
-    "(the reason is given)",
-    "invalid": "fewer paired seeds than the verdict needs pass the validity gate in both cells, the paired runs do "
+    "a cell's mechanism is neutral or hurts in its own runs, or the worse cell does not beat its head-only control, "
+    "or a cell fails only the gate's learning checks (client_loss, learned_tasks) at the largest budget that fits "
+    "this machine and the budget that could fix it does not fit (the reason is given)",
+    "invalid": "fewer paired seeds than the verdict needs pass the validity gate in both cells (a mechanism "
+    "inactive, or a failure to learn that more rounds on this machine could still fix), the paired runs do "
     "not come from one clean code version (without a stated reason why that is safe), or no valid evidence can be "
     "produced here (the reason is given)",
 }
@@ -257,6 +267,10 @@ ROLE_EXPECTED = (
     "(prompt_benefit, *_mechanism): the head-only run has no prompts by construction, and the local-only run's "
     "prompts fit each client's own few classes and may hurt on the global test set, which is what it measures"
 )
+
+LEARNING_CHECKS = ("client_loss", "learned_tasks")
+"""The gate's checks that a run learned its tasks (not that it ran as intended, nor that its mechanism acted): the
+only failures a declared `budget_limit` turns from `invalid` into `inconclusive`."""
 
 ABLATION_INTEGRITY = ("backbone_pretrained", "parameters_moved")
 """The checks a run-level ablation control must pass: it ran on the pretrained backbone and trained. Every other
@@ -369,8 +383,13 @@ def evaluate_claim(claim: Claim, base: Path, min_seeds: int = 5) -> dict[str, An
                 {s: sign * values[claim.better][s] for s in seeds}, {s: sign * values[claim.worse][s] for s in seeds}
             )
     if len(valid) < min_seeds and excluded:
-        out.update(status="invalid", reason=f"{len(valid)} paired seeds pass the validity gate (needs {min_seeds}): "
-                                            f"{gate}")  # fmt: skip
+        reason = f"{len(valid)} paired seeds pass the validity gate (needs {min_seeds}): {gate}"
+        only_learning = all(set(f) <= set(LEARNING_CHECKS) for fs in failed.values() for f in fs.values())
+        if claim.budget_limit and only_learning:
+            out.update(status="inconclusive", reason=f"{reason}; a failure to learn at the largest budget that fits "
+                                                     f"here: {claim.budget_limit}")  # fmt: skip
+        else:
+            out.update(status="invalid", reason=reason)
         with contextlib.suppress(ValueError):
             out["difference"] = paired_difference(a, b)
         return out

@@ -87,6 +87,26 @@ def test_claim_status(tmp_path, a, b, invalid, claim, status) -> None:
         assert f"- **{name}**: " in text  # the page defines its statuses
 
 
+@pytest.mark.parametrize(
+    ("failed", "budget_limit", "status"),
+    [
+        (["client_loss", "learned_tasks"], "10 rounds per task need 10 h", "inconclusive"),
+        (["client_loss", "learned_tasks"], None, "invalid"),  # more rounds could still fix it: run them
+        (["key_hit"], "10 rounds per task need 10 h", "invalid"),  # a mechanism inactive is not a budget question
+        (["client_loss", "lcdc_mechanism"], "10 rounds per task need 10 h", "invalid"),
+    ],
+)
+def test_a_failure_to_learn_at_the_budget_that_fits_is_inconclusive_only_when_declared(
+    tmp_path, failed, budget_limit, status
+) -> None:
+    _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3], {"2": failed}, budget_limit=budget_limit)
+    claims, base = load_claims(tmp_path / "claims.yaml")
+    result = evaluate_claim(claims.claims[0], base, claims.min_seeds)
+    assert result["status"] == status
+    assert "4 paired seeds pass the validity gate" in result["reason"]
+    assert ("largest budget that fits here" in result["reason"]) == (status == "inconclusive")
+
+
 def test_paired_runs_must_come_from_one_clean_commit(tmp_path) -> None:
     _summary(tmp_path, [5, 6, 7, 6, 5], [1, 2, 2, 1, 3])
     run_dirs(tmp_path / "study", "old", [3], commit="def456", dirty=True)
