@@ -438,3 +438,14 @@ def test_capt_signals_fail_with_clustering_off_or_idle() -> None:
     assert not check_clustering(RunEvidence({"method": {"clustering": True}}, [{"sim_cluster_gain": 0.01}])).passed
     off = RunEvidence({"method": {"clustering": False}}, [])
     assert not clustering_on(off).passed and check_clustering(off) is None
+
+
+@pytest.mark.slow
+def test_capt_run_without_clustering_fails_its_own_check(tmp_path) -> None:
+    """The CLIP family's defining mechanism switched off (`clustering: false`: FedAvg of every part every round)
+    is flagged by the gate, through the check CAPT declares."""
+    from promptfcl.evaluation.validity import failed_checks
+    from promptfcl.experiment import Experiment
+
+    off = Experiment(build_config(tiny_lt_raw(method={"clustering": False})), tmp_path / "off", show_progress=False)
+    assert "clustering_on" in failed_checks(off.run()["validity"])

@@ -228,6 +228,8 @@ PERSONAL = {
     },
     "eval": {"regime": "client_local", "batch_size": 32},
 }  # fmt: skip
+LORM = {"name": "lorm", "rank": 2, "layers": [0, 1], "local_epochs": 1, "batch_size": 8, "lr": 0.003}
+PILORA = {"name": "pilora", "rank": 2, "layers": [0], "local_epochs": 1, "batch_size": 8, "lr": 1e-3, "proto_lr": 0.05}
 SWITCHED_OFF = {  # a method family's defining mechanism switched off (or left at its init) → the checks it must fail
     "hgp without rebalancing": (tiny_raw(method={**HGP, "rebalance": "none"}),
                                 {"rebalancing_on", "rebalancing_mechanism"}),
@@ -237,6 +239,9 @@ SWITCHED_OFF = {  # a method family's defining mechanism switched off (or left a
     "fedmgp without local prompts": ({**deep_update(tiny_raw(), PERSONAL), "method": {**FEDMGP, "local_prompt": False}},
                                      {"local_prompts_on"}),
     "prompts left at their init": (tiny_raw(method={"lr": 0.0}), {"parameters_moved"}),
+    "lorm adapters left at their init": (tiny_raw(method={**LORM, "lr": 1e-9}), {"parameters_moved"}),  # lr > 0
+    "pilora with uniform prototype weights": (tiny_raw(method={**PILORA, "reweight_temperature": 1e6}),
+                                              {"reweighting"}),
 }  # fmt: skip
 
 
