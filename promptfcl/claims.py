@@ -47,6 +47,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from promptfcl.config import ConfigError, StrictModel, read_yaml
+from promptfcl.evaluation.validity import LEARNING_CHECKS
 from promptfcl.statistics.paired import PairedDifference, paired_difference
 
 
@@ -158,7 +159,7 @@ STATUSES = {
     "inconclusive": "the interval contains 0, fewer paired seeds than the verdict needs, the verdict changes when the "
     "seeds that failed the gate are put back, or the ordering holds but "
     "a cell's mechanism is neutral or hurts in its own runs, or the worse cell does not beat its head-only control, "
-    "or a cell fails only the gate's learning checks (client_loss, learned_tasks) at the largest budget that fits "
+    f"or a cell fails only the gate's learning checks ({', '.join(LEARNING_CHECKS)}) at the largest budget that fits "
     "this machine and the budget that could fix it does not fit (the reason is given)",
     "invalid": "fewer paired seeds than the verdict needs pass the validity gate in both cells (a mechanism "
     "inactive, or a failure to learn that more rounds on this machine could still fix), the paired runs do "
@@ -267,10 +268,6 @@ ROLE_EXPECTED = (
     "(prompt_benefit, *_mechanism): the head-only run has no prompts by construction, and the local-only run's "
     "prompts fit each client's own few classes and may hurt on the global test set, which is what it measures"
 )
-
-LEARNING_CHECKS = ("client_loss", "learned_tasks")
-"""The gate's checks that a run learned its tasks (not that it ran as intended, nor that its mechanism acted): the
-only failures a declared `budget_limit` turns from `invalid` into `inconclusive`."""
 
 ABLATION_INTEGRITY = ("backbone_pretrained", "parameters_moved")
 """The checks a run-level ablation control must pass: it ran on the pretrained backbone and trained. Every other

@@ -56,6 +56,9 @@ CHANCE_P = 1e-3
 LEARN_FLOOR = 2.0  # × chance
 MIN_MOVE = 1e-3  # summed relative move of a tensor group over the run
 MIN_ACTIVE = 1.0  # % of test predictions a mechanism must change to count as active
+LEARNING_CHECKS = ("client_loss", "learned_tasks")
+"""The checks that a run learned its tasks (`check_client_loss`, `check_learned_tasks`), as opposed to checks that
+it ran as intended or that its mechanism acted."""
 
 
 @dataclass
